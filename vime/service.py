@@ -1,0 +1,195 @@
+"""What every vime service shares: the FastAPI app factory, bearer auth, errors, /health, /metrics.
+
+Each service builds its app with `create_app(name, ...)` and protects state-changing routes with
+``Depends(require_token)``. Bad input never becomes a 500: pydantic errors are 422 with the field
+named, oversized bodies are 413, and `ServiceError` carries its own status.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("vime.service")
+
+
+class ServiceError(Exception):
+    """An error with an HTTP status and a message for the caller."""
+
+    def __init__(self, status_code: int, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.details = details
+
+
+def error_body(message: str, **details: Any) -> dict[str, Any]:
+    """The one error shape every vime service answers with."""
+    return {"error": {"message": message, **details}}
+
+
+class BodySizeLimit:
+    """ASGI middleware answering 413 when a request body exceeds ``max_bytes`` (checked while streaming)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = JSONResponse(error_body(f"request body larger than {self.max_bytes} bytes"), status_code=413)
+        await resp(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def make_token_checker(token: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that requires ``Authorization: Bearer <token>`` when a token is configured."""
+
+    async def require_token(request: Request) -> None:
+        if not token:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+
+    return require_token
+
+
+def configured_token(token: str | None = None) -> str | None:
+    """The shared token: the one given, else VIME_API_TOKEN, else none (auth off)."""
+    return token or os.environ.get("VIME_API_TOKEN") or None
+
+
+class Metrics:
+    """Per-app Prometheus registry with request count and latency by route."""
+
+    def __init__(self, service: str) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "vime_http_requests_total",
+            "HTTP requests",
+            ["service", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "vime_http_request_seconds", "HTTP request latency", ["service", "route"], registry=self.registry
+        )
+        self.service = service
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        """A service-specific counter in this app's registry."""
+        return Counter(name, doc, list(labels), registry=self.registry)
+
+    def histogram(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Histogram:
+        """A service-specific histogram in this app's registry."""
+        return Histogram(name, doc, list(labels), registry=self.registry)
+
+
+def create_app(
+    name: str,
+    *,
+    version: str = "0.1.0",
+    max_body_bytes: int | None = None,
+    health: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+    lifespan: Any = None,
+) -> FastAPI:
+    """A FastAPI app with the vime conventions: /health, /metrics, error shapes, body limit.
+
+    ``app.state.metrics`` holds the `Metrics`; ``health`` may add fields to /health and raise
+    `ServiceError(503, ...)` while the service is not ready.
+    """
+    app = FastAPI(title=f"vime {name}", version=version, lifespan=lifespan)
+    metrics = Metrics(name)
+    app.state.metrics = metrics
+    app.state.started_at = time.time()
+    if max_body_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+
+    @app.middleware("http")
+    async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        start = time.perf_counter()
+        route = request.scope.get("route")
+        response = await call_next(request)
+        path = getattr(request.scope.get("route", route), "path", "unmatched")
+        metrics.requests.labels(name, path, str(response.status_code)).inc()
+        metrics.latency.labels(name, path).observe(time.perf_counter() - start)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            problems.append(f"{loc or 'body'}: {err.get('msg')}")
+        return JSONResponse(
+            error_body("invalid request: " + "; ".join(problems), fields=problems), status_code=422
+        )
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, **exc.details), status_code=exc.status_code)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers)
+
+    @app.get("/health")
+    async def _health() -> dict[str, Any]:
+        extra = await health() if health is not None else {}
+        return {
+            "status": "ok",
+            "service": name,
+            "uptime_s": round(time.time() - app.state.started_at, 3),
+            **extra,
+        }
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """Run an app with uvicorn (uvloop + httptools when installed)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=75)

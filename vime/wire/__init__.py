@@ -1,0 +1,1 @@
+"""Wire schemas: the JSON shapes that cross process boundaries, as pydantic models."""

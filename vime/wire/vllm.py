@@ -1,0 +1,161 @@
+"""vLLM's token-in/token-out generate route: request building and response parsing.
+
+Seed step 19 translates vime's sampling parameters into vLLM's; step 25 zips the response's
+token ids with ``logprobs.content``. Three response generations are understood: the seed's scalar
+``weight_version``, vLLM 0.33's per-choice ``weight_versions`` spans, and vLLM 0.26 which reports
+no version at all (the caller then records the version it knows the engine holds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LOGPROB_SENTINEL = -9999.0
+"""vLLM writes this when the sampled token has no logprob entry (seed step 24); kept as is."""
+
+GENERATE_PATH = "/inference/v1/generate"
+
+
+def build_sampling_params(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int | None = -1,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    logprobs: int | None = 1,
+    skip_special_tokens: bool = False,
+    spaces_between_special_tokens: bool = False,
+    detokenize: bool | None = None,
+    seed: int | None = None,
+    ignore_eos: bool | None = None,
+) -> dict[str, Any]:
+    """vime's sampling parameters → vLLM ``sampling_params`` (seed step 19).
+
+    ``max_new_tokens`` becomes ``max_tokens``; ``top_k`` is sent when > 0 or == -1; ``stop`` and
+    ``stop_token_ids`` are omitted when empty; ``logprobs`` is omitted when None (no consumer).
+    ``detokenize=False`` spares the server detokenising text the client decodes itself; it is
+    dropped when stop strings are used, which need server-side text.
+    """
+    sp: dict[str, Any] = {
+        "max_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
+    if logprobs is not None:
+        sp["logprobs"] = logprobs
+    if top_k is not None and (top_k > 0 or top_k == -1):
+        sp["top_k"] = top_k
+    if stop:
+        sp["stop"] = list(stop)
+    if stop_token_ids:
+        sp["stop_token_ids"] = list(stop_token_ids)
+    sp["skip_special_tokens"] = skip_special_tokens
+    sp["spaces_between_special_tokens"] = spaces_between_special_tokens
+    if detokenize is not None and not (detokenize is False and stop):
+        sp["detokenize"] = detokenize
+    if seed is not None:
+        sp["seed"] = seed
+    if ignore_eos is not None:
+        sp["ignore_eos"] = ignore_eos
+    return sp
+
+
+def logprobs_to_request(score_centering_top_k: int | None) -> int:
+    """How many log-probs per position to ask for: 1, or top-k + 1 for score centering (seed step 19)."""
+    return 1 if score_centering_top_k is None else score_centering_top_k + 1
+
+
+class GenerateRequest(BaseModel):
+    """Body of ``POST /inference/v1/generate`` (seed step 20)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: dict[str, Any]
+    model: str | None = None
+    request_id: str | None = None
+    stream: bool = False
+
+
+class GenerateResult(BaseModel):
+    """One parsed choice of a generate response (seed step 25)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+    finish_reason: str | None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+    request_id: str | None = None
+
+    def meta_info(self) -> dict[str, Any]:
+        """The seed's meta_info dict: finish reason, version, usage."""
+        return {
+            "finish_reason": {"type": self.finish_reason},
+            "weight_version": self.weight_version,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+class GenerateResponseError(ValueError):
+    """The engine's reply is not a generate response."""
+
+
+def _tokens_and_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float] | None]:
+    token_ids = choice.get("token_ids")
+    if not isinstance(token_ids, list):
+        raise GenerateResponseError("choice has no token_ids list")
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        return [int(t) for t in token_ids], None
+    content = logprobs.get("content") or []
+    # zip(strict=False) as in the seed: a shorter content list truncates the pair list.
+    pairs = list(zip(token_ids, content, strict=False))
+    return [int(t) for t, _ in pairs], [float(item["logprob"]) for _, item in pairs]
+
+
+def _version(
+    output: dict[str, Any], choice: dict[str, Any]
+) -> tuple[str | None, list[dict[str, Any]] | None]:
+    spans = choice.get("weight_versions")
+    if isinstance(spans, list) and spans:
+        # 0.33: spans over output tokens; the sample's version is the one that sampled its last token.
+        return str(spans[-1].get("version")), spans
+    scalar = output.get("weight_version", choice.get("weight_version"))
+    return (None if scalar is None else str(scalar)), None
+
+
+def parse_generate_response(output: dict[str, Any], choice_index: int = 0) -> GenerateResult:
+    """Parse a non-streaming generate response (vLLM 0.26, 0.33, or the seed's shape)."""
+    if not isinstance(output, dict):
+        raise GenerateResponseError(f"expected a JSON object, got {type(output).__name__}")
+    if "error" in output and "choices" not in output:
+        err = output["error"]
+        raise GenerateResponseError(f"engine error: {err.get('message') if isinstance(err, dict) else err}")
+    choices = output.get("choices")
+    if not isinstance(choices, list) or len(choices) <= choice_index:
+        raise GenerateResponseError("response has no choices")
+    choice = choices[choice_index]
+    tokens, log_probs = _tokens_and_logprobs(choice)
+    usage = output.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    version, spans = _version(output, choice)
+    return GenerateResult(
+        token_ids=tokens,
+        log_probs=log_probs,
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        weight_version=version,
+        weight_versions=spans,
+        request_id=output.get("request_id"),
+    )
