@@ -1,0 +1,105 @@
+"""Run config: the seed's derivations (step 1), refusals with actionable messages, sources."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vime.config import ConfigError, load_config
+
+
+def test_seed_scenario_derivations() -> None:
+    cfg = load_config()
+    assert cfg.rollout_batch_size == 32 and cfg.n_samples_per_prompt == 8
+    assert cfg.global_batch_size == 32 * 8 // 1 == 256
+    assert cfg.eps_clip_high == cfg.eps_clip == 0.2
+    assert cfg.over_sampling_batch_size == 32
+    assert cfg.num_engines == 8 // 2 == 4
+    assert cfg.rollout_concurrency == 512 * 4 == 2048
+    assert cfg.dp_size == 8 // 2 == 4
+    assert cfg.num_microbatches_per_step == 256 // (8 * 4) == 8
+    assert cfg.offload_rollout is True and cfg.offload_train is True
+
+
+def test_four_steps_per_rollout() -> None:
+    cfg = load_config(overrides=["num_steps_per_rollout=4"])
+    assert cfg.global_batch_size == 64
+    assert cfg.num_microbatches_per_step == 2
+
+
+def test_explicit_values_are_kept() -> None:
+    cfg = load_config(overrides=["eps_clip_high=0.28", "over_sampling_batch_size=64", "colocate=false"])
+    assert cfg.eps_clip_high == 0.28
+    assert cfg.over_sampling_batch_size == 64
+    assert cfg.offload_rollout is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["num_steps_per_rollout=3"], "choose a num_steps_per_rollout that divides 256"),
+        (["tensor_model_parallel_size=3"], "does not divide the 8 training ranks"),
+        (["rollout_num_gpus_per_engine=3"], "engines need whole GPU sets"),
+        (["rollout_max_context_len=1000"], "raise the context or shorten prompts/responses"),
+        (["micro_batch_size=48"], "not a multiple of micro_batch_size × DP size"),
+        (["rollout_num_gpus=4"], "make them equal or set colocate=false"),
+        (["use_critic=true"], "use_critic is not supported"),
+        (["bogus_field=1"], "bogus_field: Extra inputs are not permitted"),
+        (["rollout_batch_size=0"], "rollout_batch_size"),
+        (["router.policy=random"], "router.policy"),
+    ],
+)
+def test_impossible_configs_are_refused(overrides: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert fragment in str(info.value)
+
+
+def test_sources_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_batch_size: 16\nreward:\n  timeout_s: 3\n  rm_type: gsm8k\n")
+    env = {"VIME_ROLLOUT_BATCH_SIZE": "8", "VIME_REWARD__TIMEOUT_S": "4", "VIME_UNRELATED": "x"}
+    cfg = load_config(path, ["reward.timeout_s=5"], environ=env)
+    assert cfg.rollout_batch_size == 8  # env beats YAML
+    assert cfg.reward.timeout_s == 5  # CLI beats env
+    assert cfg.reward.rm_type == "gsm8k"  # YAML beats default
+    assert cfg.global_batch_size == 8 * 8
+
+
+def test_bad_files_and_overrides(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(overrides=["rollout_batch_size"])
+
+
+def test_cli_config_show_prints_derived_values() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "vime", "config", "show", "--set", "num_steps_per_rollout=4"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    shown = json.loads(out)
+    assert shown["global_batch_size"] == 64
+    assert shown["rollout_concurrency"] == 2048
+    assert shown["num_engines"] == 4
+    assert shown["eps_clip_high"] == 0.2
+
+
+def test_cli_config_show_refuses_with_exit_code_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vime", "config", "show", "--set", "tensor_model_parallel_size=3"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "does not divide" in proc.stderr
