@@ -1,0 +1,123 @@
+"""The shared service conventions: auth, error shapes, body limit, health, metrics, client retries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import Depends
+from pydantic import BaseModel
+
+from vime.clients.base import ServiceCallError, ServiceClient, ServiceUnreachable
+from vime.procs import free_port
+from vime.service import ServiceError, create_app, make_token_checker
+
+
+class Body(BaseModel):
+    count: int
+    name: str
+
+
+def _app() -> object:
+    app = create_app("demo", max_body_bytes=1024)
+    guard = make_token_checker("secret")
+
+    @app.post("/v1/things", dependencies=[Depends(guard)])
+    async def things(body: Body) -> dict[str, int]:
+        if body.count < 0:
+            raise ServiceError(409, "count must not be negative", field="count")
+        return {"count": body.count}
+
+    return app
+
+
+@pytest.fixture
+async def client() -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=_app())  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+        yield c  # type: ignore[misc]
+
+
+AUTH = {"Authorization": "Bearer secret"}
+
+
+async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
+    r = await client.get("/health")
+    assert r.status_code == 200 and r.json()["service"] == "demo"
+    await client.post("/v1/things", json={"count": 1, "name": "a"}, headers=AUTH)
+    m = await client.get("/metrics")
+    assert 'vime_http_requests_total{route="/v1/things",service="demo",status="200"} 1.0' in m.text
+
+
+async def test_token_required(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/things", json={"count": 1, "name": "a"})
+    assert r.status_code == 401 and r.json()["error"]["message"] == "missing or wrong bearer token"
+    r = await client.post(
+        "/v1/things", json={"count": 1, "name": "a"}, headers={"Authorization": "Bearer nope"}
+    )
+    assert r.status_code == 401
+
+
+async def test_validation_error_names_the_field(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/things", json={"count": "many"}, headers=AUTH)
+    assert r.status_code == 422
+    msg = r.json()["error"]["message"]
+    assert "count" in msg and "name" in msg
+
+
+async def test_malformed_json_is_4xx(client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/things", content=b"{not json", headers={**AUTH, "content-type": "application/json"}
+    )
+    assert r.status_code == 422
+
+
+async def test_service_error_and_body_limit(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/things", json={"count": -1, "name": "a"}, headers=AUTH)
+    assert r.status_code == 409 and r.json()["error"] == {
+        "message": "count must not be negative",
+        "field": "count",
+    }
+    r = await client.post("/v1/things", json={"count": 1, "name": "x" * 5000}, headers=AUTH)
+    assert r.status_code == 413
+
+
+async def test_client_raises_call_error_with_message() -> None:
+    transport = httpx.ASGITransport(app=_app())  # type: ignore[arg-type]
+    c = ServiceClient("http://demo", token="secret", transport=transport)
+    assert await c.request("POST", "/v1/things", json={"count": 2, "name": "b"}) == {"count": 2}
+    with pytest.raises(ServiceCallError) as info:
+        await c.request("POST", "/v1/things", json={"count": -1, "name": "b"})
+    assert info.value.status_code == 409 and "negative" in info.value.message
+    await c.aclose()
+
+
+async def test_client_retries_then_fails_clearly() -> None:
+    port = free_port()
+    c = ServiceClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01)
+    with pytest.raises(ServiceUnreachable, match="failed after 3 attempt"):
+        await c.request("GET", "/health")
+    await c.aclose()
+
+
+async def test_client_retry_reaches_a_late_server() -> None:
+    """A server that comes up during the client's backoff is reached (connection errors are retried)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_app(), host="127.0.0.1", port=port, log_level="error"))  # type: ignore[arg-type]
+
+    async def late_start() -> None:
+        await asyncio.sleep(0.3)
+        await server.serve()
+
+    task = asyncio.create_task(late_start())
+    c = ServiceClient(f"http://127.0.0.1:{port}", retries=8, backoff_s=0.1)
+    try:
+        body = await c.request("GET", "/health")
+        assert body["status"] == "ok"
+    finally:
+        await c.aclose()
+        server.should_exit = True
+        await task
