@@ -1,0 +1,134 @@
+"""One sample, and one group, from request to reward (seed steps 17–19, 25–26).
+
+`generate` builds the request (step 19: ``max_new_tokens -= response_length``, truncated at 0,
+vLLM's parameter names), sends it through the router, and appends the parsed response
+(step 25). `generate_and_rm` adds the semaphore and the per-sample reward; `generate_and_rm_group`
+runs a group's samples together and, with ``group_rm``, scores the group in one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from vime_rollout.rollout.state import GenerateState
+
+from vime.types import Sample, SampleStatus
+from vime.wire.vllm import build_sampling_params, parse_generate_response
+
+log = logging.getLogger("vime.rollout.generate")
+
+MAX_ENGINE_ABORT_RETRIES = 5
+"""Times a sample aborted by an engine (not by us) is sent again before the rollout gives up."""
+
+FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+def request_payload(
+    state: GenerateState, sample: Sample, max_new_tokens: int, logprobs: int | None
+) -> dict[str, Any]:
+    """The generate request body for a sample (seed step 20)."""
+    s = state.sampling
+    sp = build_sampling_params(
+        max_new_tokens=max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        logprobs=logprobs,
+        skip_special_tokens=s.skip_special_tokens,
+        detokenize=False,
+    )
+    return {"model": state.model_name, "token_ids": list(sample.tokens), "sampling_params": sp}
+
+
+def _version_of(reported: str | None, known: int) -> str:
+    """The engine's own version report when it is a number, else the version we know it holds."""
+    if reported is not None:
+        try:
+            return str(int(reported))
+        except ValueError:
+            pass
+    return str(known)
+
+
+async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -> Sample:
+    """Generate (the rest of) a sample's response; the sample is changed only by a usable reply."""
+    max_new = sample.remaining_new_tokens(state.sampling.max_new_tokens)
+    if max_new <= 0:
+        sample.status = SampleStatus.TRUNCATED
+        return sample
+    if sample.response_length:
+        # A continued partial sample keeps asking for what it already carries (step 25 keeps them in step).
+        logprobs = logprobs if sample.rollout_log_probs is not None else None
+    payload = request_payload(state, sample, max_new, logprobs)
+    session = sample.session_id if state.send_session_header else None
+    for _ in range(MAX_ENGINE_ABORT_RETRIES + 1):
+        known_version = state.weight_version()
+        output = await state.generator.generate(payload, session_id=session)
+        state.counters.requests += 1
+        result = parse_generate_response(output)
+        state.counters.generated_tokens += len(result.token_ids)
+        status = SampleStatus.from_finish_reason(result.finish_reason)
+        if status is SampleStatus.ABORTED and not state.aborted:
+            # Aborted by the engine (paused for a weight update, drained): its partial output mixes
+            # weights, so it is dropped and the request sent again.
+            state.counters.engine_aborts_retried += 1
+            await asyncio.sleep(0.1)
+            continue
+        break
+    else:
+        raise RuntimeError(
+            f"sample {sample.index} was aborted by the engines {MAX_ENGINE_ABORT_RETRIES + 1} times"
+        )
+    if status is SampleStatus.FAILED:
+        raise RuntimeError(f"sample {sample.index}: engine finished with {result.finish_reason!r}")
+    text = state.tokenizer.decode(result.token_ids, skip_special_tokens=state.sampling.skip_special_tokens)
+    meta = result.meta_info()
+    meta["engine_weight_version"] = meta.pop("weight_version")
+    sample.append_response_tokens(
+        result.token_ids,
+        result.log_probs if logprobs is not None else None,
+        text=text,
+        meta_info=meta,
+    )
+    sample.weight_version = _version_of(result.weight_version, known_version)
+    sample.status = status
+    return sample
+
+
+async def generate_and_rm(state: GenerateState, sample: Sample, logprobs: int | None) -> Sample:
+    """Semaphore, generate, then the reward unless the group is scored as a whole (steps 18, 26)."""
+    if sample.status in FINISHED and sample.reward is not None:
+        return sample  # finished in an earlier (aborted) rollout: nothing to redo
+    if sample.status not in FINISHED:
+        async with state.semaphore:
+            if state.aborted:
+                sample.status = SampleStatus.ABORTED
+                return sample
+            sample = await generate(state, sample, logprobs)
+    if sample.status is SampleStatus.ABORTED or state.cfg.reward.group_rm:
+        return sample
+    if sample.reward is None:
+        ((sample.reward, sample.reward_details),) = await state.scorer.score([sample])
+    return sample
+
+
+async def generate_and_rm_group(
+    state: GenerateState, group: list[Sample], logprobs: int | None
+) -> list[Sample]:
+    """All samples of a group concurrently; a group finishes with its slowest sample (step 17)."""
+    tasks = [asyncio.create_task(generate_and_rm(state, s, logprobs)) for s in group]
+    try:
+        done = list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    if state.cfg.reward.group_rm and not any(s.status is SampleStatus.ABORTED for s in done):
+        # One batched call for the whole group: group-level verifiers see every member.
+        for s, (reward, details) in zip(done, await state.scorer.score(done), strict=True):
+            s.reward, s.reward_details = reward, details
+    return done
