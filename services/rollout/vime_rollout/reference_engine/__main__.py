@@ -1,0 +1,69 @@
+"""``python -m vime_rollout.reference_engine``: start the CPU stand-in for vLLM on a port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+DESCRIPTION = (
+    "vime reference engine: the CPU stand-in for vLLM. Serves vLLM 0.26's HTTP API "
+    "(/inference/v1/generate, /sleep, /wake_up, /pause, /resume, weight updates, ...) with a "
+    "Hugging Face causal LM on CPU. Not a GPU engine: on a GPU host run `vllm serve`."
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vime_rollout.reference_engine", description=DESCRIPTION)
+    p.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (keep it private)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name in responses (default: --model)")
+    p.add_argument(
+        "--max-batch", type=int, default=256, help="most sequences decoded in one pass (max_num_seqs)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--prefill-token-budget", type=int, default=8192, help="padded tokens per prefill pass")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args(argv)
+    if args.max_batch < 1:
+        p.error("--max-batch must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        p.error("--max-model-len must be >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    from vime.service import serve
+
+    from .app import build_app, served_model
+    from .engine_core import EngineCore
+    from .model_runner import ModelRunner
+    from .tokenizer import load_decoder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner = ModelRunner(args.model, max_slots=args.max_batch, max_model_len=args.max_model_len)
+    decode = load_decoder(args.model)
+    served = served_model(args.model, args.served_model_name, runner.max_model_len, runner.vocab_size)
+
+    def core() -> EngineCore:
+        return EngineCore(
+            runner,
+            max_batch=args.max_batch,
+            seed=args.seed,
+            prefill_token_budget=args.prefill_token_budget,
+            decode_text=decode,
+        )
+
+    serve(build_app(core, served), args.host, args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()
