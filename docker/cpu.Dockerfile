@@ -31,7 +31,7 @@ COPY docker/cpu-constraints.txt /tmp/constraints.txt
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu -c /tmp/constraints.txt torch
 COPY services/rollout ./services/rollout
 COPY services/trainer ./services/trainer
-RUN pip install --no-cache-dir -c /tmp/constraints.txt ".[models]" ./services/rollout ./services/trainer
+RUN pip install --no-cache-dir -c /tmp/constraints.txt ".[models]" "./services/rollout[reference]" ./services/trainer
 
 # --- runtime ---------------------------------------------------------------------------------
 FROM base AS runtime

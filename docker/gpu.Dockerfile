@@ -40,7 +40,7 @@ COPY pyproject.toml README.md ./
 COPY vime ./vime
 COPY services/rollout ./services/rollout
 COPY services/trainer ./services/trainer
-RUN pip install --no-cache-dir -c /tmp/constraints.txt ".[models]" ./services/rollout ./services/trainer
+RUN pip install --no-cache-dir -c /tmp/constraints.txt ".[models]" "./services/rollout[reference]" ./services/trainer
 
 # --- runtime ---------------------------------------------------------------------------------
 FROM base AS runtime

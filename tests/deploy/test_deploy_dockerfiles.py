@@ -189,3 +189,17 @@ def test_image_pins_match_the_services() -> None:
     assert (_pin(gpu, "torch"), _pin(gpu, "vllm")) == ("2.11.0", "0.26.0")
     assert re.fullmatch(r"\d+\.\d+\.\d+", _pin(gpu, "ray"))
     assert _pin(cpu, "torch") == "2.13.0"
+
+
+def _requirement_names(pyproject: Path) -> set[str]:
+    deps = tomllib.loads(pyproject.read_text())["project"].get("dependencies", [])
+    return {re.split(r"[\s\[<>=!~;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+
+
+def test_slim_image_distributions_need_no_torch() -> None:
+    """The `service` image installs the core, router and reward only: none may require the GPU stack."""
+    heavy = {"torch", "vllm", "megatron-core", "transformers", "ray", "triton"}
+    for dist in (ROOT, ROOT / "services" / "router", ROOT / "services" / "reward"):
+        pyproject = dist / "pyproject.toml"
+        assert pyproject.is_file(), f"{pyproject.relative_to(ROOT)} is missing: the slim image cannot build"
+        assert not _requirement_names(pyproject) & heavy, f"{pyproject.relative_to(ROOT)} pulls {heavy}"
