@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from vime_rollout.engines.commands import EngineCommand
+from vime_rollout.engines.spec import EngineSpec
 
 from vime.types import Sample
 
@@ -79,3 +82,68 @@ class FakeScorer:
         self.calls.append(len(samples))
         await asyncio.sleep(0)
         return [(float(self.fn(s)), {"status": "ok"}) for s in samples]
+
+
+class StubControl:
+    def __init__(self, url: str, world: StubWorld) -> None:
+        self.base_url, self.world = url, world
+
+    async def health(self) -> bool:
+        return self.world.up.get(self.base_url, False)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.world.calls.append((self.base_url, "sleep", (level, mode)))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.world.calls.append((self.base_url, "wake_up", tuple(tags) if tags else None))
+
+    async def abort_requests(self, request_ids: Sequence[str] | None = None) -> int | None:
+        self.world.calls.append((self.base_url, "abort", None))
+        return 0
+
+    async def weight_version(self) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+class StubProcess:
+    def __init__(self, world: StubWorld, url: str) -> None:
+        self.world, self.url, self.running = world, url, True
+
+    def alive(self) -> bool | None:
+        return self.running
+
+    def stop(self) -> None:
+        self.running = False
+        self.world.up[self.url] = False
+
+    def log_tail(self) -> str:
+        return ""
+
+
+class StubWorld:
+    """Engines that come up when started; the launcher counts starts."""
+
+    can_restart = True
+
+    def __init__(self) -> None:
+        self.up: dict[str, bool] = {}
+        self.calls: list[tuple[str, str, Any]] = []
+        self.starts: list[str] = []
+        self.processes: dict[str, StubProcess] = {}
+        self.registered: list[str] = []
+        self.deregistered: list[str] = []
+
+    def start(self, spec: EngineSpec, command: EngineCommand | None) -> StubProcess:
+        self.starts.append(spec.url)
+        self.up[spec.url] = True
+        self.processes[spec.url] = StubProcess(self, spec.url)
+        return self.processes[spec.url]
+
+    async def register(self, url: str) -> None:
+        self.registered.append(url)
+
+    async def deregister(self, url: str) -> None:
+        self.deregistered.append(url)

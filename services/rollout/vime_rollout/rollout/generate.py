@@ -12,10 +12,9 @@ import asyncio
 import logging
 from typing import Any
 
-from vime_rollout.rollout.state import GenerateState
-
 from vime.types import Sample, SampleStatus
 from vime.wire.vllm import build_sampling_params, parse_generate_response
+from vime_rollout.rollout.state import GenerateState
 
 log = logging.getLogger("vime.rollout.generate")
 

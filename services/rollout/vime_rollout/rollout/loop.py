@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
+
+from vime.types import Sample
 from vime_rollout.filters import apply_filter
 from vime_rollout.rollout.generate import generate_and_rm_group
 from vime_rollout.rollout.state import GenerateState, logprobs_wanted
-
-from vime.types import Sample
 
 log = logging.getLogger("vime.rollout.loop")
 

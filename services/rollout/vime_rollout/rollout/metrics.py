@@ -6,9 +6,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from vime_rollout.rollout.state import RolloutCounters
-
 from vime.types import Sample, SampleStatus
+from vime_rollout.rollout.state import RolloutCounters
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:

@@ -13,11 +13,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vime_rollout.data.dataset import Tokenizer
-
 from vime.config import RunConfig
 from vime.types import Sample
 from vime.wire.vllm import logprobs_to_request
+from vime_rollout.data.dataset import Tokenizer
 
 
 class Scorer(Protocol):

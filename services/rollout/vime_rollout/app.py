@@ -1,0 +1,271 @@
+"""The rollout manager's REST API (DESIGN.md §2): rollouts, engine memory, weight bookkeeping,
+admission, data-source state. State-changing routes need the bearer token.
+
+Errors are answers, not 500s: a rollout while engines sleep or admission is paused is a 409, a
+second concurrent rollout a 409, an unknown job a 404, a rollout whose engines, router or reward
+service failed a 502 with the cause.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request, Response
+
+from vime.service import ServiceError, create_app, make_token_checker
+from vime.wire.rollout import (
+    AdmissionResult,
+    DataSourceState,
+    EngineInfo,
+    EnginesStatus,
+    JobState,
+    MemoryResult,
+    OffloadRequest,
+    OnloadRequest,
+    ResumeAdmissionRequest,
+    RolloutJob,
+    RolloutRequest,
+    TrainingCompleted,
+    UpdatableEngines,
+    UpdateLockRequest,
+    WeightsLoadedRequest,
+)
+from vime_rollout.data import DataStateError
+from vime_rollout.engines.records import EngineRecord, EngineStatus, LockHeld
+from vime_rollout.jobs import JobConflict
+from vime_rollout.manager import RolloutManager
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Data-source states carry handed-back partial samples; everything else is small."""
+
+
+def engine_info(rec: EngineRecord, reported: str | None = None) -> EngineInfo:
+    return EngineInfo(
+        index=rec.spec.index,
+        url=rec.url,
+        backend=rec.spec.backend,
+        status=rec.status.value,
+        registered=rec.registered,
+        gpu_ids=list(rec.spec.gpu_ids),
+        weight_version=rec.weight_version,
+        reported_weight_version=reported,
+        needs_weights=rec.status is EngineStatus.NEEDS_WEIGHTS,
+        asleep=sorted(rec.asleep),
+        restarts=rec.restarts,
+        last_error=rec.last_error,
+    )
+
+
+def engines_status(m: RolloutManager, reported: dict[str, str | None] | None = None) -> EnginesStatus:
+    return EnginesStatus(
+        engines=[engine_info(r, (reported or {}).get(r.url)) for r in m.engines.records],
+        weight_version=m.engines.current_version,
+        health_monitor_paused=m.monitor.paused,
+        update_lock_held=m.engines.lock.held(),
+    )
+
+
+def build_app(
+    start: Callable[[], Awaitable[RolloutManager]], *, token: str | None, default_dp_size: int
+) -> FastAPI:
+    """The app; ``start`` builds the manager (engines included) before the first request is served."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.manager = await start()
+        try:
+            yield
+        finally:
+            await app.state.manager.aclose()
+
+    async def health() -> dict[str, Any]:
+        m: RolloutManager | None = getattr(app.state, "manager", None)
+        if m is None:
+            raise ServiceError(503, "starting")
+        return {
+            "engines_serving": len(m.engines.serving()),
+            "engines": len(m.engines.records),
+            "weight_version": m.engines.current_version,
+            "rollout_running": m.jobs.running.job_id if m.jobs.running else None,
+        }
+
+    app = create_app("rollout", max_body_bytes=MAX_BODY_BYTES, health=health, lifespan=lifespan)
+    auth = [Depends(make_token_checker(token))]
+
+    def mgr(request: Request) -> RolloutManager:
+        return request.app.state.manager  # type: ignore[no-any-return]
+
+    _add_rollout_routes(app, mgr, auth, default_dp_size)
+    _add_engine_routes(app, mgr, auth)
+    _add_control_routes(app, mgr, auth)
+    return app
+
+
+def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size: int) -> None:
+    rollouts = app.state.metrics.counter(
+        "vime_rollouts_total", "Rollout jobs by kind and outcome", ("kind", "state")
+    )
+
+    @app.post("/v1/rollouts", response_model=RolloutJob, dependencies=auth)
+    async def post_rollout(body: RolloutRequest, request: Request, response: Response) -> RolloutJob:
+        m: RolloutManager = mgr(request)
+        dp = body.dp_size or default_dp_size
+        gbs = m.cfg.global_batch_size or 0
+        if not body.evaluation and gbs % (m.cfg.micro_batch_size * dp):
+            raise ServiceError(
+                422, f"dp_size={dp}: global_batch_size={gbs} is not a multiple of micro_batch_size × dp_size"
+            )
+        if body.evaluation and not m.eval_data:
+            raise ServiceError(400, "no eval dataset configured (data.eval_prompt_data)")
+        if m.jobs.find(body.rollout_id, body.evaluation) is None:
+            m.check_can_roll_out()
+
+        async def run(job: RolloutJob) -> None:
+            try:
+                await (m.run_eval(job) if body.evaluation else m.run_training(job, dp))
+            finally:
+                rollouts.labels(
+                    "eval" if body.evaluation else "train", "ok" if job.error is None else "failed"
+                ).inc()
+
+        try:
+            job, _ = m.jobs.submit(body.rollout_id, body.evaluation, run)
+        except JobConflict as exc:
+            raise ServiceError(409, str(exc)) from None
+        if not body.wait:
+            response.status_code = 202 if job.state is JobState.RUNNING else 200
+            return job
+        await m.jobs.wait(job)
+        if job.state is JobState.FAILED:
+            raise ServiceError(502, f"rollout {job.rollout_id} failed: {job.error}", job_id=job.job_id)
+        return job
+
+    @app.get("/v1/rollouts/{job_id}", response_model=RolloutJob)
+    async def get_rollout(job_id: str, request: Request) -> RolloutJob:
+        job = mgr(request).jobs.get(job_id)
+        if job is None:
+            raise ServiceError(404, f"no rollout job {job_id!r}")
+        return job
+
+
+def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
+    @app.get("/v1/engines", response_model=EnginesStatus)
+    async def get_engines(request: Request) -> EnginesStatus:
+        m: RolloutManager = mgr(request)
+        reported = {r.url: await _reported_version(r) for r in m.engines.live()}
+        return engines_status(m, reported)
+
+    @app.post("/v1/engines/offload", response_model=MemoryResult, dependencies=auth)
+    async def offload(request: Request, body: OffloadRequest | None = None) -> MemoryResult:
+        m: RolloutManager = mgr(request)
+        level = (body.level if body else None) or m.cfg.weight_update_level
+        m.monitor.pause("offload")  # seed step 33: a sleeping engine is not a dead one
+        start = time.perf_counter()
+        results = await m.engines.offload(level)
+        return MemoryResult(
+            action="offload", level=level, results=results, seconds=time.perf_counter() - start
+        )
+
+    @app.post("/v1/engines/onload", response_model=MemoryResult, dependencies=auth)
+    async def onload(body: OnloadRequest, request: Request) -> MemoryResult:
+        m: RolloutManager = mgr(request)
+        start = time.perf_counter()
+        sent, results = await m.engines.onload(list(body.tags) if body.tags is not None else None)
+        if not m.engines.asleep:
+            m.monitor.resume("offload")
+        return MemoryResult(
+            action="onload", tags_sent=sent, results=results, seconds=time.perf_counter() - start
+        )
+
+    @app.post("/v1/engines/update-lock", response_model=UpdatableEngines, dependencies=auth)
+    async def update_lock(body: UpdateLockRequest, request: Request) -> UpdatableEngines:
+        m: RolloutManager = mgr(request)
+        try:
+            lease = m.engines.lock.acquire(body.ttl_s)
+        except LockHeld as exc:
+            raise ServiceError(409, str(exc)) from None
+        engines = m.engines.updatable()
+        return UpdatableEngines(
+            lease_id=lease,
+            engines=[engine_info(r) for r in engines],
+            num_new_engines=sum(r.status is EngineStatus.NEEDS_WEIGHTS for r in engines),
+            weight_version=m.engines.current_version,
+        )
+
+    @app.delete("/v1/engines/update-lock/{lease_id}", dependencies=auth)
+    async def release_lock(lease_id: str, request: Request) -> dict[str, bool]:
+        try:
+            return {"released": mgr(request).engines.lock.release(lease_id)}
+        except LockHeld as exc:
+            raise ServiceError(409, str(exc)) from None
+
+    @app.post("/v1/engines/weights-loaded", response_model=EnginesStatus, dependencies=auth)
+    async def weights_loaded(body: WeightsLoadedRequest, request: Request) -> EnginesStatus:
+        m: RolloutManager = mgr(request)
+        if body.version < m.engines.current_version:
+            raise ServiceError(
+                409, f"version {body.version} is older than the engines' {m.engines.current_version}"
+            )
+        try:
+            if body.lease_id:
+                m.engines.lock.release(body.lease_id)
+            await m.engines.weights_loaded(body.version, body.engine_urls)
+        except LockHeld as exc:
+            raise ServiceError(409, str(exc)) from None
+        except KeyError as exc:
+            raise ServiceError(404, str(exc.args[0])) from None
+        return engines_status(m)
+
+
+async def _reported_version(rec: EngineRecord) -> str | None:
+    try:
+        return await rec.control.weight_version()
+    except Exception:
+        return None
+
+
+def _add_control_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
+    @app.post("/v1/admission/pause", response_model=AdmissionResult, dependencies=auth)
+    async def pause(request: Request) -> AdmissionResult:
+        a = mgr(request).admission
+        a.paused = True
+        return AdmissionResult(was_paused=True, paused=True)
+
+    @app.post("/v1/admission/resume", response_model=AdmissionResult, dependencies=auth)
+    async def resume(body: ResumeAdmissionRequest, request: Request) -> AdmissionResult:
+        a = mgr(request).admission
+        if body.was_paused:
+            a.paused = False
+        return AdmissionResult(was_paused=body.was_paused, paused=a.paused)
+
+    @app.post("/v1/training-ready", dependencies=auth)
+    async def training_ready(request: Request) -> dict[str, Any]:
+        a = mgr(request).admission
+        a.training_ready = True
+        return {"training_ready": True, "admission_paused": a.paused}
+
+    @app.post("/v1/training-completed/{rollout_id}", response_model=TrainingCompleted, dependencies=auth)
+    async def training_completed(rollout_id: int, request: Request) -> TrainingCompleted:
+        m: RolloutManager = mgr(request)
+        if rollout_id < 0:
+            raise ServiceError(422, "rollout_id must be >= 0")
+        m.admission.completed.append(rollout_id)
+        del m.admission.completed[:-100]
+        pending = await m.sink.pending_count() if m.sink is not None else 0
+        return TrainingCompleted(rollout_id=rollout_id, pending_batches=pending)
+
+    @app.get("/v1/data-source/state", response_model=DataSourceState)
+    async def get_state(request: Request) -> DataSourceState:
+        return DataSourceState(state=mgr(request).data_state())
+
+    @app.put("/v1/data-source/state", response_model=DataSourceState, dependencies=auth)
+    async def put_state(body: DataSourceState, request: Request) -> DataSourceState:
+        m: RolloutManager = mgr(request)
+        try:
+            m.set_data_state(body.state)
+        except DataStateError as exc:
+            raise ServiceError(409, str(exc)) from None
+        return DataSourceState(state=m.data_state())

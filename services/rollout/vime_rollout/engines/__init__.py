@@ -1,0 +1,1 @@
+"""Engines: planning, commands, launchers, the group with its memory fan-out, the health monitor."""

@@ -1,0 +1,116 @@
+"""The command line and environment of each engine (seed step 2, ``_compute_server_args``).
+
+Real vLLM: ``--enable-sleep-mode`` when engines are offloaded during training,
+``--max-model-len = rollout_max_context_len``, ``--weight-transfer-config '{"backend":"ipc"}'``
+when colocated, the engine's tensor-parallel size and GPU ids, and the dev-mode switches its
+control routes need. The form that ran on vLLM 0.26 (notes/vllm_device.md) is
+``python3 -m vllm.entrypoints.cli.main serve`` with ``VLLM_USE_FLASHINFER_SAMPLER=0``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+from dataclasses import dataclass, field
+
+from vime.config import RunConfig
+from vime_rollout.engines.spec import EngineSpec
+
+VLLM_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """argv + extra environment of one engine process."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _vllm_version() -> tuple[int, ...] | None:
+    try:
+        raw = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(p) for p in raw.split(".")[:2] if p.isdigit())
+
+
+def vllm_serve_args(
+    cfg: RunConfig, spec: EngineSpec, model_path: str, served_name: str, *, scale_out: bool = False
+) -> list[str]:
+    """``serve`` arguments for one vLLM engine (without the interpreter part)."""
+    args = [
+        "serve",
+        model_path,
+        "--served-model-name",
+        served_name,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tensor-parallel-size",
+        str(len(spec.gpu_ids) or cfg.rollout_num_gpus_per_engine),
+        "--max-model-len",
+        str(cfg.rollout_max_context_len),
+        "--gpu-memory-utilization",
+        str(cfg.engine.gpu_memory_utilization),
+        "--seed",
+        str(cfg.rollout_seed),
+    ]
+    if cfg.offload_rollout:
+        args.append("--enable-sleep-mode")
+    if cfg.colocate:
+        args += ["--weight-transfer-config", json.dumps({"backend": "ipc"})]
+    if cfg.engine.enforce_eager:
+        args.append("--enforce-eager")
+    if scale_out:
+        args.append("--enable-scale-out")  # vLLM >= 0.33 serves /inference/v1/generate only with it
+    return args + list(cfg.engine.extra_args)
+
+
+def vllm_command(cfg: RunConfig, spec: EngineSpec, model_path: str, served_name: str) -> EngineCommand:
+    """A local ``vllm serve`` child on the engine's GPUs."""
+    version = _vllm_version()
+    scale_out = version is not None and version >= (0, 33)
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    argv += vllm_serve_args(cfg, spec, model_path, served_name, scale_out=scale_out)
+    env = {**VLLM_ENV, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpu_ids)}
+    return EngineCommand(argv, env)
+
+
+def reference_command(cfg: RunConfig, spec: EngineSpec, model_path: str, served_name: str) -> EngineCommand:
+    """The CPU reference engine (a stand-in for vLLM with the same routes)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vime_rollout.reference_engine",
+        "--model",
+        model_path,
+        "--served-model-name",
+        served_name,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--max-model-len",
+        str(cfg.rollout_max_context_len),
+        "--max-batch",
+        str(cfg.engine.reference_max_batch),
+        "--seed",
+        str(cfg.rollout_seed + spec.index),
+    ]
+    return EngineCommand(argv, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def engine_command(cfg: RunConfig, spec: EngineSpec, model_path: str, served_name: str) -> EngineCommand:
+    if spec.backend == "vllm":
+        return vllm_command(cfg, spec, model_path, served_name)
+    if spec.backend == "reference":
+        return reference_command(cfg, spec, model_path, served_name)
+    raise ValueError(f"engine {spec.index} is external: it has no command")

@@ -1,0 +1,67 @@
+"""The engine control calls the rollout manager makes directly (never through the router).
+
+They go through `vime.clients.engine.EngineClient` (vLLM's dev-mode routes, and the reference
+engine's copies). Those routes are unauthenticated, which is why engines listen on a private
+interface and the router forwards only generate routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol
+
+from vime.clients.engine import EngineClient
+
+VLLM_WAKE_TAGS = ("weights", "kv_cache")
+"""The only tags vLLM's wake_up acts on selectively (its DEFERRABLE_TAGS, seed steps 10–13)."""
+
+HEALTH_TIMEOUT_S = 5.0
+CONTROL_TIMEOUT_S = 300.0
+"""Sleep level 1 copies the weights to CPU; a 1.5B model took 2 s, larger ones take longer."""
+
+
+def normalize_wake_tags(tags: Sequence[str] | None) -> list[str] | None:
+    """Tags to send to vLLM: None wakes everything; others keep only ``weights`` / ``kv_cache``.
+
+    ``cuda_graph`` is dropped as in the seed (``_normalize_vllm_wake_tags``): CUDA-graph memory is
+    not deferrable, so it comes back with any wake-up (step 7). Order kept, duplicates removed.
+    """
+    if tags is None:
+        return None
+    out: list[str] = []
+    for t in tags:
+        if t in VLLM_WAKE_TAGS and t not in out:
+            out.append(t)
+    return out
+
+
+class EngineControl(Protocol):
+    """The part of `EngineClient` the engine group uses (a stub in unit tests)."""
+
+    base_url: str
+
+    async def health(self) -> bool: ...
+
+    async def sleep(self, level: int = ..., mode: str = ...) -> None: ...
+
+    async def wake_up(self, tags: Sequence[str] | None = ...) -> None: ...
+
+    async def abort_requests(self, request_ids: Sequence[str] | None = ...) -> int | None: ...
+
+    async def weight_version(self) -> str | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def engine_control(url: str) -> EngineControl:
+    """The control client of one engine (no retries of control calls: the caller decides)."""
+    return EngineClient(url, timeout=CONTROL_TIMEOUT_S, retries=1, max_connections=8)
+
+
+async def healthy(control: EngineControl) -> bool:
+    """True when the engine answers /health with 200 within a few seconds; never raises."""
+    try:
+        return await asyncio.wait_for(control.health(), HEALTH_TIMEOUT_S)
+    except Exception:
+        return False

@@ -1,0 +1,188 @@
+"""The engine group: start engines, register them with the router, fan memory calls out to all.
+
+Seed steps 2 (start + register), 4–7 and 10–13 (onload ``weights`` / ``kv_cache``), 33–36
+(offload at level 2 when engines receive weight updates, mode ``keep``), 28 (abort every
+engine's requests). Every fan-out runs on all engines concurrently and reports each engine's
+outcome; the health monitor (`health.py`) restarts engines that die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from vime_rollout.engines.commands import EngineCommand
+from vime_rollout.engines.control import EngineControl, healthy, normalize_wake_tags
+from vime_rollout.engines.launchers import Launcher
+from vime_rollout.engines.records import LIVE, EngineRecord, EngineStatus, UpdateLock
+from vime_rollout.engines.spec import EngineSpec
+
+log = logging.getLogger("vime.rollout.engines")
+
+ALL_TAGS = ("weights", "kv_cache")
+
+
+class RouterRegistry(Protocol):
+    """The router's control plane as the engine group uses it."""
+
+    async def register(self, url: str) -> None: ...
+
+    async def deregister(self, url: str) -> None: ...
+
+
+class EngineStartError(RuntimeError):
+    """An engine that did not become healthy."""
+
+
+class EngineGroup:
+    """All engines of the run and what the rollout manager knows about each."""
+
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        launcher: Launcher,
+        command_for: Callable[[EngineSpec], EngineCommand | None],
+        control_for: Callable[[str], EngineControl],
+        router: RouterRegistry | None,
+        *,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.records = [EngineRecord(spec, control_for(spec.url)) for spec in specs]
+        self.launcher = launcher
+        self.command_for = command_for
+        self.router = router
+        self.startup_timeout_s = startup_timeout_s
+        self.current_version = 0
+        """Version of the weights the trainer last reported loaded (0: the checkpoint)."""
+        self.lock = UpdateLock()
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Launch every engine, wait until all answer /health, register them with the router."""
+        await asyncio.gather(*(self.launch(rec) for rec in self.records))
+        for rec in self.records:
+            rec.status, rec.weight_version = EngineStatus.READY, 0
+            await self.register(rec)
+
+    async def launch(self, rec: EngineRecord) -> None:
+        """Start (or restart) one engine's process and wait until it is healthy."""
+        cmd = self.command_for(rec.spec) if rec.spec.backend != "external" else None
+        rec.process = await asyncio.to_thread(self.launcher.start, rec.spec, cmd)
+        await self.wait_healthy(rec)
+        rec.asleep.clear()
+        rec.failures = 0
+
+    async def wait_healthy(self, rec: EngineRecord) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if rec.process is not None and rec.process.alive() is False:
+                raise EngineStartError(
+                    f"{rec.spec.name} exited before it was healthy:\n{rec.process.log_tail()}"
+                )
+            if await healthy(rec.control):
+                return
+            await asyncio.sleep(0.25)
+        raise EngineStartError(
+            f"{rec.spec.name} at {rec.url} not healthy after {self.startup_timeout_s:.0f}s"
+        )
+
+    async def stop(self) -> None:
+        """Deregister and stop every engine this group started."""
+        for rec in self.records:
+            await self.deregister(rec)
+        await asyncio.gather(*(self._stop_process(rec) for rec in self.records))
+        for rec in self.records:
+            rec.status = EngineStatus.STOPPED
+            await rec.control.aclose()
+
+    async def _stop_process(self, rec: EngineRecord) -> None:
+        if rec.process is not None:
+            await asyncio.to_thread(rec.process.stop)
+
+    # --- router --------------------------------------------------------------------------------
+    async def register(self, rec: EngineRecord) -> None:
+        if self.router is not None and not rec.registered:
+            await self.router.register(rec.url)
+        rec.registered = True
+
+    async def deregister(self, rec: EngineRecord) -> None:
+        if self.router is not None and rec.registered:
+            try:
+                await self.router.deregister(rec.url)
+            except Exception as exc:  # the router may be gone too; the engine is out either way
+                log.warning("deregistering %s: %s", rec.url, exc)
+        rec.registered = False
+
+    # --- fan-out -------------------------------------------------------------------------------
+    def live(self) -> list[EngineRecord]:
+        return [r for r in self.records if r.status in LIVE]
+
+    def serving(self) -> list[EngineRecord]:
+        return [r for r in self.records if r.status is EngineStatus.READY]
+
+    async def _fan_out(
+        self, records: list[EngineRecord], call: Callable[[EngineRecord], Any]
+    ) -> dict[str, str]:
+        async def one(rec: EngineRecord) -> str:
+            try:
+                await call(rec)
+            except Exception as exc:
+                rec.last_error = f"{type(exc).__name__}: {exc}"
+                return f"error: {rec.last_error}"
+            return "ok"
+
+        results = await asyncio.gather(*(one(r) for r in records))
+        return {r.url: res for r, res in zip(records, results, strict=True)}
+
+    async def offload(self, level: int) -> dict[str, str]:
+        """``POST /sleep?level=L&mode=keep`` on every live engine (seed steps 34–35)."""
+
+        async def call(rec: EngineRecord) -> None:
+            await rec.control.sleep(level, "keep")
+            rec.asleep = set(ALL_TAGS)
+
+        return await self._fan_out(self.live(), call)
+
+    async def onload(self, tags: list[str] | None) -> tuple[list[str] | None, dict[str, str]]:
+        """``POST /wake_up?tags=...`` on every live engine with the tags normalised (steps 5–6, 11–12)."""
+        sent = normalize_wake_tags(tags)
+        if sent == []:
+            return sent, {r.url: "skipped: no vLLM tag" for r in self.live()}
+
+        async def call(rec: EngineRecord) -> None:
+            await rec.control.wake_up(sent)
+            rec.asleep -= set(sent or ALL_TAGS)
+
+        return sent, await self._fan_out(self.live(), call)
+
+    async def abort_all(self) -> None:
+        """Abort every request on every serving engine (seed step 28)."""
+        await self._fan_out(self.serving(), lambda rec: rec.control.abort_requests(None))
+
+    @property
+    def asleep(self) -> bool:
+        """Whether any live engine has memory asleep (rollouts would hang in its queue)."""
+        return any(r.asleep for r in self.live())
+
+    # --- weights -------------------------------------------------------------------------------
+    def updatable(self) -> list[EngineRecord]:
+        """Engines a weight push must reach: all live ones, those needing weights included."""
+        return self.live()
+
+    async def weights_loaded(self, version: int, urls: list[str] | None) -> list[EngineRecord]:
+        """The trainer pushed ``version`` to ``urls`` (None: every live engine); those waiting serve again."""
+        known = {r.url: r for r in self.records}
+        unknown = sorted(set(urls or ()) - known.keys())
+        if unknown:
+            raise KeyError(f"unknown engine URL(s): {', '.join(unknown)}")
+        targets = [known[u] for u in urls] if urls is not None else self.live()
+        self.current_version = version
+        for rec in targets:
+            rec.weight_version = version
+            if rec.status is EngineStatus.NEEDS_WEIGHTS:
+                rec.status = EngineStatus.READY
+                await self.register(rec)
+        return targets

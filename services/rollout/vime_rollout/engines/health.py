@@ -1,0 +1,121 @@
+"""The health monitor: find dead engines, restart them, keep them out of the router until they
+hold the current weights.
+
+Paused while engines are offloaded (seed step 33: a sleeping engine is not a dead one) and while
+the trainer holds the weight-update lock. An engine is dead when its process exited or when
+``failure_threshold`` probes in a row failed. A restarted engine comes back with the checkpoint's
+weights: if the trainer has pushed any since (version > 0) it waits as ``needs_weights``,
+deregistered, until the trainer pushes and reports them loaded; otherwise it serves at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from vime_rollout.engines.control import healthy
+from vime_rollout.engines.group import EngineGroup
+from vime_rollout.engines.records import EngineRecord, EngineStatus
+
+log = logging.getLogger("vime.rollout.health")
+
+MAX_RESTART_BACKOFF_S = 60.0
+
+
+class HealthMonitor:
+    """Probes every engine each ``interval_s`` and restarts the dead ones (one task per restart)."""
+
+    def __init__(self, group: EngineGroup, *, interval_s: float = 2.0, failure_threshold: int = 2) -> None:
+        self.group = group
+        self.interval_s = interval_s
+        self.failure_threshold = failure_threshold
+        self._paused_by: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._restarts: dict[str, asyncio.Task[None]] = {}
+
+    # --- pause / resume --------------------------------------------------------------------------
+    def pause(self, reason: str) -> None:
+        self._paused_by.add(reason)
+
+    def resume(self, reason: str) -> None:
+        self._paused_by.discard(reason)
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._paused_by) or self.group.lock.held()
+
+    # --- loop --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-health")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._restarts.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._task = None
+        self._restarts.clear()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self.paused:
+                try:
+                    await self.check_once()
+                except Exception:  # the monitor must outlive any one bad probe
+                    log.exception("health check failed")
+
+    async def check_once(self) -> None:
+        """Probe each engine once; start a restart task for each newly dead one."""
+        await asyncio.gather(*(self._check(rec) for rec in self.group.records))
+
+    async def _check(self, rec: EngineRecord) -> None:
+        if rec.url in self._restarts or rec.status in (EngineStatus.STOPPED, EngineStatus.STARTING):
+            return
+        exited = rec.process is not None and rec.process.alive() is False
+        ok = not exited and await healthy(rec.control)
+        if ok:
+            rec.failures = 0
+            if rec.status is EngineStatus.DEAD:  # an external engine that came back
+                await self._back(rec)
+            return
+        rec.failures += 1
+        if rec.status is not EngineStatus.DEAD and (exited or rec.failures >= self.failure_threshold):
+            rec.status = EngineStatus.DEAD
+            rec.last_error = "process exited" if exited else f"{rec.failures} failed health probes"
+            log.warning("%s at %s is dead (%s)", rec.spec.name, rec.url, rec.last_error)
+            await self.group.deregister(rec)
+        if rec.status is EngineStatus.DEAD and self.group.launcher.can_restart:
+            self._restarts[rec.url] = asyncio.create_task(self._restart(rec), name=f"restart-{rec.spec.name}")
+
+    async def _restart(self, rec: EngineRecord) -> None:
+        try:
+            delay = min(MAX_RESTART_BACKOFF_S, 2.0**rec.restarts - 1)
+            await asyncio.sleep(delay)
+            rec.status = EngineStatus.RESTARTING
+            rec.restarts += 1
+            if rec.process is not None:
+                await asyncio.to_thread(rec.process.stop)
+            await self.group.launch(rec)
+            await self._back(rec)
+        except Exception as exc:
+            rec.status = EngineStatus.DEAD
+            rec.last_error = f"restart failed: {exc}"
+            log.error("%s: %s", rec.spec.name, rec.last_error)
+        finally:
+            self._restarts.pop(rec.url, None)
+
+    async def _back(self, rec: EngineRecord) -> None:
+        """A healthy engine after a death: serve now, or wait for the trainer's weights."""
+        rec.failures = 0
+        if self.group.current_version > 0:
+            rec.status, rec.weight_version = EngineStatus.NEEDS_WEIGHTS, 0
+            log.info("%s is back and needs weights v%d", rec.spec.name, self.group.current_version)
+        else:
+            rec.status, rec.weight_version = EngineStatus.READY, 0
+            await self.group.register(rec)
+            log.info("%s is back and serving", rec.spec.name)

@@ -1,0 +1,173 @@
+"""How engine processes come to exist: local children, sibling containers, or nothing (external).
+
+All three sit behind one small interface so that the engine group, its health monitor and its
+restarts do not care where an engine runs. Only launchers that own the process can restart it;
+for an external engine the group waits until it answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from vime import procs
+from vime_rollout.engines.commands import EngineCommand
+from vime_rollout.engines.spec import EngineSpec
+
+log = logging.getLogger("vime.rollout.engines")
+
+DEFAULT_ENGINE_IMAGE = "vime-gpu:0.1.0"
+"""Image of engine containers when VIME_ENGINE_IMAGE is unset (the compose file's GPU image)."""
+
+
+class EngineProcess(Protocol):
+    """A started engine: whether it still runs (None: cannot tell), and how to stop it."""
+
+    def alive(self) -> bool | None: ...
+
+    def stop(self) -> None: ...
+
+    def log_tail(self) -> str: ...
+
+
+class Launcher(Protocol):
+    can_restart: bool
+
+    def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess: ...
+
+
+class LocalProcess:
+    """An engine that is a child process of the rollout manager (own process group)."""
+
+    def __init__(self, child: procs.Child) -> None:
+        self.child = child
+
+    def alive(self) -> bool | None:
+        return self.child.alive()
+
+    def stop(self) -> None:
+        self.child.stop(grace_s=15.0)
+
+    def log_tail(self) -> str:
+        return self.child.log_tail()
+
+
+class LocalLauncher:
+    """Child processes with their output in ``log_dir/engine<k>.log``."""
+
+    can_restart = True
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
+
+    def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess:
+        if command is None:
+            raise ValueError(f"{spec.name}: a local engine needs a command")
+        log.info("starting %s on %s (GPUs %s)", spec.name, spec.url, spec.gpu_ids or "none")
+        child = procs.start(
+            spec.name, command.argv, log_path=self.log_dir / f"{spec.name}.log", env=command.env
+        )
+        return LocalProcess(child)
+
+
+class ExternalProcess:
+    """An engine someone else runs: the group can only watch it."""
+
+    def alive(self) -> bool | None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def log_tail(self) -> str:
+        return ""
+
+
+class ExternalLauncher:
+    can_restart = False
+
+    def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess:
+        return ExternalProcess()
+
+
+def container_spec(
+    spec: EngineSpec, command: EngineCommand, *, image: str, run_id: str, mounts: list[str]
+) -> dict[str, Any]:
+    """Keyword arguments of ``docker.containers.run`` for one engine (Docker SDK).
+
+    The container gets exactly its GPUs (device request; inside it they are renumbered from 0,
+    so CUDA_VISIBLE_DEVICES is dropped), the host's IPC and PID namespaces (CUDA IPC handles from
+    the colocated trainer must open), and the host network so its URL is the planned one.
+    ``mounts`` are host paths mounted at the same path (model directory, logs).
+    """
+    from docker.types import DeviceRequest
+
+    env = {k: v for k, v in command.env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return {
+        "image": image,
+        "command": ["python3", *command.argv[1:]],
+        "name": f"vime-{run_id}-{spec.name}",
+        "detach": True,
+        "environment": env,
+        "ipc_mode": "host",
+        "pid_mode": "host",
+        "network_mode": "host",
+        "shm_size": "16g",
+        "ulimits": [{"Name": "memlock", "Soft": -1, "Hard": -1}],
+        "device_requests": [DeviceRequest(device_ids=[str(g) for g in spec.gpu_ids], capabilities=[["gpu"]])],
+        "volumes": {m: {"bind": m, "mode": "ro" if i == 0 else "rw"} for i, m in enumerate(mounts)},
+        "labels": {"vime.run": run_id, "vime.engine": str(spec.index)},
+        "auto_remove": False,
+    }
+
+
+class ContainerProcess:
+    """An engine container started through the Docker SDK."""
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+
+    def alive(self) -> bool | None:
+        try:
+            self.container.reload()
+        except Exception:  # the container is gone
+            return False
+        return bool(self.container.status == "running")
+
+    def stop(self) -> None:
+        try:
+            self.container.stop(timeout=15)
+            self.container.remove(force=True)
+        except Exception as exc:
+            log.warning("stopping %s: %s", self.container.name, exc)
+
+    def log_tail(self) -> str:
+        try:
+            return bytes(self.container.logs(tail=40)).decode(errors="replace")
+        except Exception:
+            return ""
+
+
+class DockerLauncher:
+    """Sibling containers on a GPU host (unverified here: this machine has no Docker engine)."""
+
+    can_restart = True
+
+    def __init__(self, run_id: str, model_path: str, log_dir: str | Path, image: str | None = None) -> None:
+        import docker
+
+        self.client = docker.from_env()
+        self.run_id = run_id
+        self.mounts = [model_path, str(log_dir)]
+        self.image = image or os.environ.get("VIME_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE)
+
+    def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess:
+        if command is None:
+            raise ValueError(f"{spec.name}: a container engine needs a command")
+        kwargs = container_spec(spec, command, image=self.image, run_id=self.run_id, mounts=self.mounts)
+        with contextlib.suppress(Exception):  # a container of that name from an earlier life blocks the name
+            self.client.containers.get(kwargs["name"]).remove(force=True)
+        return ContainerProcess(self.client.containers.run(**kwargs))

@@ -1,0 +1,131 @@
+"""Building a rollout manager from the run config: model, datasets, engines, clients, batch sink.
+
+Engines start before the REST app serves its first request (seed step 2); with
+``offload_rollout`` they are put to sleep right away, as the seed's engines sleep while Megatron
+initialises — the trainer wakes their weights, pushes, then wakes the KV cache (steps 4–13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from vime.clients.reward import RewardClient
+from vime.config import RunConfig
+from vime_rollout.batch_builder import BatchSink
+from vime_rollout.data import DataSource, PromptDataset, build_dataset, read_records
+from vime_rollout.data.synthetic import arithmetic_records
+from vime_rollout.engines.commands import engine_command
+from vime_rollout.engines.control import engine_control
+from vime_rollout.engines.group import EngineGroup
+from vime_rollout.engines.health import HealthMonitor
+from vime_rollout.engines.launchers import DockerLauncher, ExternalLauncher, Launcher, LocalLauncher
+from vime_rollout.engines.router_registry import router_registry
+from vime_rollout.engines.spec import plan_engines
+from vime_rollout.manager import RolloutManager
+from vime_rollout.model import load_tokenizer, resolve_model_path, served_model_name
+from vime_rollout.rollout.transport import GenerateClient
+from vime_rollout.scorer import RewardScorer
+
+log = logging.getLogger("vime.rollout")
+
+SYNTHETIC_EVAL_PROMPTS = 64
+
+
+def run_id_of(cfg: RunConfig) -> str:
+    """The run id shared with the trainer (names the Redis stream): config, VIME_RUN_ID, or 'default'."""
+    return cfg.run_id or os.environ.get("VIME_RUN_ID") or "default"
+
+
+def build_datasets(cfg: RunConfig, tokenizer: object) -> tuple[PromptDataset, dict[str, PromptDataset]]:
+    """The training dataset and the eval datasets (a held-out synthetic set for the synthetic task)."""
+    d = cfg.data
+    common = {
+        "input_key": d.input_key,
+        "label_key": d.label_key,
+        "metadata_key": d.metadata_key,
+        "apply_chat_template": d.apply_chat_template,
+        "max_prompt_len": cfg.rollout_max_prompt_len,
+    }
+    if d.prompt_data:
+        train = build_dataset(Path(d.prompt_data).name, read_records(d.prompt_data), tokenizer, **common)  # type: ignore[arg-type]
+    else:
+        records = arithmetic_records(d.synthetic_num_prompts, cfg.rollout_seed)
+        train = build_dataset("arithmetic", records, tokenizer, **common)  # type: ignore[arg-type]
+    evals = {
+        name: build_dataset(name, read_records(path), tokenizer, **common)
+        for name, path in d.eval_prompt_data.items()
+    }  # type: ignore[arg-type]
+    if not evals and not d.prompt_data:
+        held_out = arithmetic_records(SYNTHETIC_EVAL_PROMPTS, cfg.rollout_seed + 1_000_003)
+        evals["arithmetic"] = build_dataset("arithmetic", held_out, tokenizer, **common)  # type: ignore[arg-type]
+    if train.num_dropped_too_long:
+        log.warning(
+            "%s: %d prompts longer than %d tokens dropped",
+            train.name,
+            train.num_dropped_too_long,
+            cfg.rollout_max_prompt_len,
+        )
+    return train, evals
+
+
+def make_launcher(cfg: RunConfig, run_id: str, model_path: Path, log_dir: Path) -> Launcher:
+    if cfg.engine.launcher == "external":
+        return ExternalLauncher()
+    if cfg.engine.launcher == "docker":
+        return DockerLauncher(run_id, str(model_path), log_dir)
+    return LocalLauncher(log_dir)
+
+
+async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> RolloutManager:
+    """Everything the rollout manager needs, engines started (and asleep when offloaded)."""
+    run_id = run_id_of(cfg)
+    model_path = await asyncio.to_thread(resolve_model_path, cfg)
+    model_name = served_model_name(cfg, model_path)
+    tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
+    train, evals = await asyncio.to_thread(build_datasets, cfg, tokenizer)
+    log_dir = log_dir or Path(cfg.output_dir) / run_id / "logs"
+    specs = plan_engines(cfg)
+    group = EngineGroup(
+        specs,
+        make_launcher(cfg, run_id, model_path, log_dir),
+        lambda spec: engine_command(cfg, spec, str(model_path), model_name),
+        engine_control,
+        router_registry(cfg),
+        startup_timeout_s=cfg.engine.startup_timeout_s,
+    )
+    log.info("starting %d %s engine(s)", len(specs), specs[0].backend if specs else "-")
+    try:
+        await group.start()
+    except BaseException:
+        await group.stop()
+        raise
+    monitor = HealthMonitor(
+        group,
+        interval_s=cfg.router.health_check_interval_s,
+        failure_threshold=cfg.router.health_failure_threshold,
+    )
+    if cfg.offload_rollout:
+        monitor.pause("offload")
+        await group.offload(cfg.weight_update_level)
+    monitor.start()
+    services = cfg.services
+    reward = RewardClient(services.url("reward"), token=services.token())
+    redis_url = services.redis_url
+    return RolloutManager(
+        cfg,
+        run_id=run_id,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        engines=group,
+        monitor=monitor,
+        generator=GenerateClient(services.url("router"), timeout_s=cfg.router.request_timeout_s),
+        scorer=RewardScorer(reward, fn=cfg.reward.custom_rm_path, group_rm=cfg.reward.group_rm),
+        train_data=DataSource(
+            train, cfg.n_samples_per_prompt, shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed
+        ),
+        eval_data=evals,
+        sink=BatchSink(redis_url, run_id) if redis_url else None,
+    )

@@ -1,0 +1,189 @@
+"""The rollout manager: owns the engines, the data sources and the batch sink, and runs rollouts.
+
+One rollout at a time (seed steps 14–32): refuse while engines sleep or admission is paused, run
+the loop, hand aborted groups back (partial rollout), build and publish the batch. A rollout that
+fails restores the data source's position, so its prompts are not lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vime.config import RunConfig
+from vime.service import ServiceError
+from vime.wire.rollout import RolloutJob
+from vime_rollout.batch_builder import BatchSink, build_batch
+from vime_rollout.data import DataSource, PromptDataset
+from vime_rollout.engines.group import EngineGroup
+from vime_rollout.engines.health import HealthMonitor
+from vime_rollout.filters import load_function
+from vime_rollout.jobs import JobRegistry
+from vime_rollout.rollout.loop import generate_rollout
+from vime_rollout.rollout.metrics import eval_metrics, rollout_metrics
+from vime_rollout.rollout.state import GenerateState, Generator, SamplingSettings, Scorer
+
+log = logging.getLogger("vime.rollout.manager")
+
+
+@dataclass
+class Admission:
+    """Whether new rollouts may start (seed steps 9, 44, 53)."""
+
+    paused: bool = False
+    training_ready: bool = False
+    completed: list[int] = field(default_factory=list)
+
+
+class RolloutManager:
+    """Everything a rollout needs, wired together; the REST app calls into it."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        run_id: str,
+        tokenizer: Any,
+        model_name: str,
+        engines: EngineGroup,
+        monitor: HealthMonitor,
+        generator: Generator,
+        scorer: Scorer,
+        train_data: DataSource,
+        eval_data: dict[str, PromptDataset],
+        sink: BatchSink | None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.engines = engines
+        self.monitor = monitor
+        self.generator = generator
+        self.scorer = scorer
+        self.data = train_data
+        self.eval_data = eval_data
+        self.sink = sink
+        self.jobs = JobRegistry()
+        self.admission = Admission()
+        self.filter = (
+            load_function(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None
+        )
+
+    # --- rollouts --------------------------------------------------------------------------------
+    def check_can_roll_out(self) -> None:
+        """409 when engines sleep or admission is paused: the rollout would hang or race a push."""
+        if self.admission.paused:
+            raise ServiceError(409, "rollout admission is paused: POST /v1/admission/resume first")
+        asleep = sorted({t for r in self.engines.live() for t in r.asleep})
+        if asleep:
+            raise ServiceError(
+                409, f"engines are offloaded ({', '.join(asleep)} asleep): POST /v1/engines/onload first"
+            )
+        if not self.engines.serving():
+            raise ServiceError(503, "no engine is serving (all dead, restarting or waiting for weights)")
+
+    def state(self, evaluation: bool) -> GenerateState:
+        cfg = self.cfg
+        sampling = SamplingSettings.for_eval(cfg) if evaluation else SamplingSettings.for_training(cfg)
+        return GenerateState(
+            cfg=cfg,
+            tokenizer=self.tokenizer,
+            generator=self.generator,
+            scorer=self.scorer,
+            model_name=self.model_name,
+            sampling=sampling,
+            concurrency=cfg.vllm_server_concurrency * max(1, len(self.engines.records)),
+            weight_version=lambda: self.engines.current_version,
+            evaluation=evaluation,
+            abort_engines=self.engines.abort_all,
+        )
+
+    async def run_training(self, job: RolloutJob, dp_size: int) -> None:
+        """Seed steps 15–31 for rollout ``job.rollout_id``, then publish the batch."""
+        cfg = self.cfg
+        snapshot = self.data.state_dict()
+        self.monitor.resume("offload")  # seed step 14: health monitoring resumes with each rollout
+        version = self.engines.current_version
+        job.weight_version, job.dp_size = version, dp_size
+        state = self.state(evaluation=False)
+        try:
+            out = await generate_rollout(
+                state,
+                job.rollout_id,
+                self.data.get_samples,
+                target=cfg.rollout_batch_size,
+                over_sampling=cfg.over_sampling_batch_size or cfg.rollout_batch_size,
+                dynamic_filter=self.filter,
+            )
+            if cfg.partial_rollout and out.aborted_groups:
+                self.data.add_samples(out.aborted_groups)
+            metrics = rollout_metrics(out.groups, state.counters, out.wall_s)
+            metrics["rollout/weight_version"] = float(version)
+            metrics["rollout/prompts_dropped_too_long"] = float(self.data.dataset.num_dropped_too_long)
+            if self.sink is None:
+                raise ServiceError(503, "no Redis configured: the batch cannot be published")
+            batch_id = await self.sink.next_batch_id(job.rollout_id)
+            built = await asyncio.to_thread(
+                build_batch,
+                cfg,
+                out.groups,
+                batch_id=batch_id,
+                run_id=self.run_id,
+                rollout_id=job.rollout_id,
+                weight_version=version,
+                dp_size=dp_size,
+                metrics=metrics,
+            )
+            published = await self.sink.publish(built)
+        except BaseException:
+            self.data.load_state_dict(snapshot)
+            raise
+        job.batch_id, job.entry_id = published.batch_id, published.entry_id
+        job.num_samples, job.metrics = built.batch.num_samples, dict(built.batch.metrics)
+        log.info(
+            "rollout %d: batch %s, %d samples, %.1fs",
+            job.rollout_id,
+            job.batch_id,
+            job.num_samples,
+            out.wall_s,
+        )
+
+    async def run_eval(self, job: RolloutJob) -> None:
+        """Every eval dataset, each prompt ``n_samples_per_eval_prompt`` times; nothing is published."""
+        if not self.eval_data:
+            raise ServiceError(400, "no eval dataset configured (data.eval_prompt_data)")
+        metrics: dict[str, float] = {}
+        job.weight_version = self.engines.current_version
+        for name, dataset in self.eval_data.items():
+            source = DataSource(dataset, self.cfg.data.n_samples_per_eval_prompt, shuffle=False)
+            state = self.state(evaluation=True)
+            out = await generate_rollout(
+                state, job.rollout_id, source.get_samples, target=len(dataset), over_sampling=len(dataset)
+            )
+            metrics.update(eval_metrics(name, out.groups, out.wall_s))
+            job.num_samples += sum(len(g) for g in out.groups)
+        job.metrics = metrics
+
+    # --- data-source state -------------------------------------------------------------------------
+    def data_state(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def set_data_state(self, state: dict[str, Any]) -> None:
+        if self.jobs.running is not None:
+            raise ServiceError(409, "a rollout is running: restore the data-source state between rollouts")
+        self.data.load_state_dict(state)
+        self.jobs.forget_finished()
+
+    async def aclose(self) -> None:
+        await self.jobs.cancel_all()
+        await self.monitor.stop()
+        await self.engines.stop()
+        for client in (self.generator, self.scorer):
+            closer = getattr(client, "aclose", None)
+            if closer is not None:
+                await closer()
+        if self.sink is not None:
+            await self.sink.aclose()

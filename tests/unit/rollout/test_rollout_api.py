@@ -1,0 +1,205 @@
+"""The REST API in-process (stub engines, in-process router/reward stand-ins): bad input and wrong
+states are 4xx answers naming the problem; the happy paths of the integration tests are not
+repeated here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from rollout_fakes import FakeGenerator, FakeScorer, StubControl, StubWorld
+from vime_rollout.app import build_app
+from vime_rollout.data import DataSource, build_dataset
+from vime_rollout.data.synthetic import arithmetic_records
+from vime_rollout.engines.commands import EngineCommand
+from vime_rollout.engines.group import EngineGroup
+from vime_rollout.engines.health import HealthMonitor
+from vime_rollout.engines.spec import EngineSpec
+from vime_rollout.manager import RolloutManager
+
+from vime.config import RunConfig, load_config
+
+TOKEN = "t0ken"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _cfg() -> RunConfig:
+    over = {
+        "rollout_batch_size": 2,
+        "n_samples_per_prompt": 4,
+        "micro_batch_size": 2,
+        "rollout_max_response_len": 8,
+        "rollout_max_context_len": 600,
+        "rollout_num_gpus": 0,
+        "actor_num_gpus_per_node": 0,
+        "actor_num_cpu_ranks": 2,
+        "tensor_model_parallel_size": 1,
+    }
+    return load_config(overrides=[f"{k}={v}" for k, v in over.items()])
+
+
+@pytest.fixture
+def client(tokenizer: Any) -> Iterator[tuple[TestClient, StubWorld, FakeGenerator]]:
+    cfg = _cfg()
+    world = StubWorld()
+    gen = FakeGenerator()
+    common = {
+        "input_key": "prompt",
+        "label_key": "label",
+        "metadata_key": "metadata",
+        "apply_chat_template": False,
+    }
+    train = build_dataset("a", arithmetic_records(20, 1), tokenizer, max_prompt_len=64, **common)
+    evals = {"held": build_dataset("held", arithmetic_records(3, 2), tokenizer, max_prompt_len=64, **common)}
+
+    async def start() -> RolloutManager:
+        specs = [EngineSpec(k, "reference", "127.0.0.1", 9100 + k) for k in range(2)]
+        group = EngineGroup(
+            specs,
+            world,
+            lambda s: EngineCommand(["x"]),
+            lambda u: StubControl(u, world),
+            world,
+            startup_timeout_s=2,
+        )
+        await group.start()
+        return RolloutManager(
+            cfg,
+            run_id="unit",
+            tokenizer=tokenizer,
+            model_name="tiny",
+            engines=group,
+            monitor=HealthMonitor(group, interval_s=60),
+            generator=gen,
+            scorer=FakeScorer(lambda s: float(s.index % 2)),
+            train_data=DataSource(train, cfg.n_samples_per_prompt, seed=1),
+            eval_data=evals,
+            sink=None,
+        )
+
+    with TestClient(build_app(start, token=TOKEN, default_dp_size=cfg.dp_size)) as c:
+        yield c, world, gen
+
+
+def _error(r: Any, status: int) -> str:
+    assert r.status_code == status, r.text
+    return str(r.json()["error"]["message"])
+
+
+def test_state_changes_need_the_token(client: Any) -> None:
+    c, _, _ = client
+    assert c.post("/v1/rollouts", json={"rollout_id": 0}).status_code == 401
+    assert c.post("/v1/engines/offload").status_code == 401
+    assert c.put("/v1/data-source/state", json={"state": {}}).status_code == 401
+    assert c.get("/v1/engines").status_code == 200  # reads are open
+
+
+def test_bad_bodies_are_422_naming_the_field(client: Any) -> None:
+    c, _, _ = client
+    assert "rollout_id" in _error(c.post("/v1/rollouts", json={"rollout_id": -1}, headers=AUTH), 422)
+    assert "rollout_id" in _error(c.post("/v1/rollouts", json={}, headers=AUTH), 422)
+    assert "evalution" in _error(
+        c.post("/v1/rollouts", json={"rollout_id": 0, "evalution": True}, headers=AUTH), 422
+    )
+    assert "dp_size=3" in _error(
+        c.post("/v1/rollouts", json={"rollout_id": 0, "dp_size": 3}, headers=AUTH), 422
+    )
+    assert "tags" in _error(c.post("/v1/engines/onload", json={"tags": ["gpu"]}, headers=AUTH), 422)
+    assert "level" in _error(c.post("/v1/engines/offload", json={"level": 3}, headers=AUTH), 422)
+    assert "version" in _error(c.post("/v1/engines/weights-loaded", json={"version": -2}, headers=AUTH), 422)
+    bad_json = c.post("/v1/rollouts", content=b"{nope", headers={**AUTH, "content-type": "application/json"})
+    assert bad_json.status_code == 422
+
+
+def test_unknown_job_is_404(client: Any) -> None:
+    c, _, _ = client
+    assert "no rollout job" in _error(c.get("/v1/rollouts/abc"), 404)
+
+
+def test_rollout_refused_while_offloaded_or_paused(client: Any) -> None:
+    c, _, _ = client
+    r = c.post("/v1/engines/offload", headers=AUTH)
+    assert r.status_code == 200 and r.json()["level"] == 2 and set(r.json()["results"].values()) == {"ok"}
+    assert "offloaded" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 409)
+    r = c.post("/v1/engines/onload", json={"tags": ["weights"]}, headers=AUTH)
+    assert r.json()["tags_sent"] == ["weights"]
+    assert "kv_cache asleep" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 409)
+    r = c.post("/v1/engines/onload", json={"tags": ["kv_cache", "cuda_graph"]}, headers=AUTH)
+    assert r.json()["tags_sent"] == ["kv_cache"]
+    assert c.post("/v1/admission/pause", headers=AUTH).json() == {"was_paused": True, "paused": True}
+    assert "admission is paused" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 409)
+    assert c.post("/v1/admission/resume", json={"was_paused": True}, headers=AUTH).json()["paused"] is False
+    # Without Redis the batch cannot be published: a 502 naming why, and the prompts are not lost.
+    before = c.get("/v1/data-source/state").json()["state"]
+    assert "no Redis" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 502)
+    assert c.get("/v1/data-source/state").json()["state"] == before
+
+
+def test_eval_rollout_and_concurrency_conflict(client: Any) -> None:
+    c, _, gen = client
+    gen.hold_after = 0  # every request hangs until aborted
+    r = c.post("/v1/rollouts", json={"rollout_id": 5, "evaluation": True, "wait": False}, headers=AUTH)
+    assert r.status_code == 202 and r.json()["state"] == "running"
+    job_id = r.json()["job_id"]
+    # The same rollout again: the same job (a retried request does not start a second one).
+    again = c.post("/v1/rollouts", json={"rollout_id": 5, "evaluation": True, "wait": False}, headers=AUTH)
+    assert again.json()["job_id"] == job_id
+    assert "still running" in _error(c.post("/v1/rollouts", json={"rollout_id": 6}, headers=AUTH), 409)
+    assert "rollout is running" in _error(
+        c.put("/v1/data-source/state", json={"state": {}}, headers=AUTH), 409
+    )
+    gen.hold_after = None
+    gen.abort_event.set()  # every request now comes back aborted, as from an engine paused for good
+    deadline = time.monotonic() + 20
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = c.get(f"/v1/rollouts/{job_id}").json()
+        if job["state"] != "running":
+            break
+        time.sleep(0.05)
+    # Aborted by the engines, not by a full batch: retried a bounded number of times, then failed.
+    assert job["state"] == "failed" and "aborted by the engines 6 times" in job["error"]
+    assert c.post("/v1/rollouts", json={"rollout_id": 6}, headers=AUTH).status_code != 409  # slot free again
+
+
+def test_eval_metrics(client: Any) -> None:
+    c, _, _ = client
+    r = c.post("/v1/rollouts", json={"rollout_id": 1, "evaluation": True}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    m = r.json()["metrics"]
+    assert m["eval/held/num_prompts"] == 3.0 and m["eval/held/num_samples"] == 3.0
+    assert "eval/held/pass@1" in m and r.json()["batch_id"] is None
+
+
+def test_weight_bookkeeping_routes(client: Any) -> None:
+    c, _, _ = client
+    lock = c.post("/v1/engines/update-lock", json={"ttl_s": 30}, headers=AUTH).json()
+    assert lock["num_new_engines"] == 0 and len(lock["engines"]) == 2 and lock["weight_version"] == 0
+    assert "held by lease" in _error(c.post("/v1/engines/update-lock", json={}, headers=AUTH), 409)
+    body = {"version": 1, "lease_id": "not-mine"}
+    assert "does not hold" in _error(c.post("/v1/engines/weights-loaded", json=body, headers=AUTH), 409)
+    body = {"version": 1, "lease_id": lock["lease_id"], "engine_urls": ["http://nowhere:1"]}
+    assert "unknown engine" in _error(c.post("/v1/engines/weights-loaded", json=body, headers=AUTH), 404)
+    r = c.post("/v1/engines/weights-loaded", json={"version": 1, "lease_id": lock["lease_id"]}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["weight_version"] == 1 and not r.json()["update_lock_held"]
+    assert {e["weight_version"] for e in r.json()["engines"]} == {1}
+    assert "older" in _error(c.post("/v1/engines/weights-loaded", json={"version": 0}, headers=AUTH), 409)
+
+
+def test_data_state_round_trip_and_mismatch(client: Any) -> None:
+    c, _, _ = client
+    state = c.get("/v1/data-source/state").json()["state"]
+    assert state["dataset_size"] == 20 and state["offset"] == 0
+    state["offset"] = 7
+    r = c.put("/v1/data-source/state", json={"state": state}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["state"]["offset"] == 7
+    state["dataset_size"] = 99
+    assert "saved for 99 prompts" in _error(
+        c.put("/v1/data-source/state", json={"state": state}, headers=AUTH), 409
+    )
+    assert "malformed" in _error(
+        c.put("/v1/data-source/state", json={"state": {"version": 1}}, headers=AUTH), 409
+    )

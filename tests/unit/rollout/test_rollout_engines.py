@@ -1,0 +1,219 @@
+"""Engines: the seed step 2 command lines, GPU placement, the container spec, the memory fan-out with
+tag normalisation (steps 5–13, 34–35), and the health monitor's restart → needs-weights cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from rollout_fakes import StubControl, StubWorld
+from vime_rollout.engines.commands import EngineCommand, reference_command, vllm_command
+from vime_rollout.engines.control import normalize_wake_tags
+from vime_rollout.engines.group import EngineGroup
+from vime_rollout.engines.health import HealthMonitor
+from vime_rollout.engines.launchers import container_spec
+from vime_rollout.engines.records import EngineStatus, LockHeld, UpdateLock
+from vime_rollout.engines.spec import EnginePlanError, EngineSpec, plan_engines
+
+from vime.config import RunConfig, load_config
+
+
+def _cfg(**over: Any) -> RunConfig:
+    return load_config(
+        overrides=[f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in over.items()]
+    )
+
+
+def test_seed_step_2_vllm_command() -> None:
+    cfg = _cfg(**{"engine.backend": "vllm"})  # seed: colocate, offload_rollout, 8 GPUs, 2 per engine
+    specs = plan_engines(cfg, gpus=list(range(8)))
+    assert [s.gpu_ids for s in specs] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [s.port for s in specs] == [18100, 18101, 18102, 18103]
+    cmd = vllm_command(cfg, specs[2], "/m/qwen", "qwen")
+    argv = cmd.argv
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/qwen"]
+
+    def opt(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert opt("--max-model-len") == "4096"
+    assert opt("--tensor-parallel-size") == "2"
+    assert opt("--port") == "18102"
+    assert opt("--served-model-name") == "qwen"
+    assert opt("--seed") == "42"
+    assert json.loads(opt("--weight-transfer-config")) == {"backend": "ipc"}
+    assert "--enable-sleep-mode" in argv and "--enforce-eager" not in argv
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert cmd.env["VLLM_SERVER_DEV_MODE"] == "1" and cmd.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_no_sleep_mode_or_ipc_without_colocation() -> None:
+    cfg = _cfg(
+        colocate=False,
+        offload_rollout=False,
+        rollout_num_gpus=2,
+        rollout_num_gpus_per_engine=1,
+        actor_num_gpus_per_node=2,
+        **{"engine.backend": "vllm", "engine.extra_args": ["--max-num-seqs", "64"]},
+    )
+    spec = plan_engines(cfg, gpus=[3, 5])[1]
+    argv = vllm_command(cfg, spec, "/m", "m").argv
+    assert "--enable-sleep-mode" not in argv and "--weight-transfer-config" not in argv
+    assert argv[-2:] == ["--max-num-seqs", "64"] and spec.gpu_ids == (5,)
+
+
+def test_planning_refuses_too_few_gpus_and_needs_urls_for_external() -> None:
+    with pytest.raises(EnginePlanError, match="only 4 GPU"):
+        plan_engines(_cfg(**{"engine.backend": "vllm"}), gpus=[0, 1, 2, 3])
+    with pytest.raises(EnginePlanError, match=r"engine\.urls"):
+        plan_engines(_cfg(**{"engine.launcher": "external"}), gpus=[])
+    ext = plan_engines(_cfg(**{"engine.launcher": "external", "engine.urls": ["http://a:1/", "http://b:2"]}))
+    assert [s.url for s in ext] == ["http://a:1", "http://b:2"]
+
+
+def test_auto_backend_on_a_cpu_host_is_the_reference_engine() -> None:
+    cfg = _cfg(
+        rollout_num_gpus=0, rollout_num_engines_cpu=2, actor_num_gpus_per_node=0, tensor_model_parallel_size=1
+    )
+    specs = plan_engines(cfg, gpus=[])
+    assert [(s.backend, s.port) for s in specs] == [("reference", 18100), ("reference", 18101)]
+    argv = reference_command(cfg, specs[1], "/m", "tiny").argv
+    assert argv[1:3] == ["-m", "vime_rollout.reference_engine"]
+    assert argv[argv.index("--port") + 1] == "18101" and argv[argv.index("--max-model-len") + 1] == "4096"
+
+
+def test_container_spec_shares_ipc_and_gets_its_gpus() -> None:
+    cfg = _cfg(**{"engine.backend": "vllm"})
+    spec = plan_engines(cfg, gpus=list(range(8)))[1]
+    kw = container_spec(
+        spec, vllm_command(cfg, spec, "/models/q", "q"), image="img", run_id="r1", mounts=["/models/q"]
+    )
+    assert kw["ipc_mode"] == "host" and kw["pid_mode"] == "host" and kw["network_mode"] == "host"
+    assert kw["device_requests"][0]["DeviceIDs"] == ["2", "3"]
+    assert (
+        "CUDA_VISIBLE_DEVICES" not in kw["environment"] and kw["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    )
+    assert kw["command"][:3] == ["python3", "-m", "vllm.entrypoints.cli.main"]
+    assert kw["volumes"] == {"/models/q": {"bind": "/models/q", "mode": "ro"}}
+    assert kw["name"] == "vime-r1-engine1"
+
+
+def test_wake_tags_are_normalised_as_in_the_seed() -> None:
+    assert normalize_wake_tags(["kv_cache", "cuda_graph"]) == ["kv_cache"]
+    assert normalize_wake_tags(["weights"]) == ["weights"]
+    assert normalize_wake_tags(["cuda_graph"]) == []
+    assert normalize_wake_tags(None) is None
+
+
+def test_update_lock_lease() -> None:
+    lock = UpdateLock()
+    lease = lock.acquire(60)
+    with pytest.raises(LockHeld):
+        lock.acquire(60)
+    with pytest.raises(LockHeld):
+        lock.release("someone-else")
+    assert lock.release(lease) and not lock.held()
+    lock.acquire(0.001)
+    time.sleep(0.01)  # expired: anyone may take it (a trainer that died while pushing)
+    assert lock.acquire(60)
+
+
+# --- the group and the monitor against stub engines ------------------------------------------------
+
+
+def _group(world: StubWorld, n: int = 3) -> EngineGroup:
+    specs = [EngineSpec(k, "reference", "127.0.0.1", 9000 + k) for k in range(n)]
+    return EngineGroup(
+        specs,
+        world,
+        lambda s: EngineCommand(["x"]),
+        lambda url: StubControl(url, world),
+        world,
+        startup_timeout_s=2,
+    )
+
+
+def test_group_starts_registers_and_fans_memory_calls_out() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world)
+        await group.start()
+        urls = [r.url for r in group.records]
+        assert world.registered == urls and all(r.status is EngineStatus.READY for r in group.records)
+        res = await group.offload(2)
+        assert res == dict.fromkeys(urls, "ok")
+        assert sorted(c for c in world.calls if c[1] == "sleep") == sorted(
+            (u, "sleep", (2, "keep")) for u in urls
+        )
+        assert group.asleep
+        world.calls.clear()
+        sent, _ = await group.onload(["weights"])
+        assert sent == ["weights"] and group.asleep
+        sent, _ = await group.onload(["kv_cache", "cuda_graph"])
+        assert sent == ["kv_cache"] and not group.asleep
+        assert [c[2] for c in world.calls] == [("weights",)] * 3 + [("kv_cache",)] * 3
+        sent, res = await group.onload(["cuda_graph"])
+        assert sent == [] and all(v.startswith("skipped") for v in res.values())
+        await group.abort_all()
+        assert sum(c[1] == "abort" for c in world.calls) == 3
+
+    asyncio.run(main())
+
+
+def test_dead_engine_is_restarted_and_waits_for_weights() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world)
+        await group.start()
+        await group.weights_loaded(1, None)  # the trainer's first push (seed step 8)
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=2)
+        victim = group.records[1]
+        world.processes[victim.url].running = False  # the process died
+        world.up[victim.url] = False
+        await monitor.check_once()
+        assert victim.url in world.deregistered and not victim.registered
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if victim.status is EngineStatus.NEEDS_WEIGHTS:
+                break
+        assert victim.status is EngineStatus.NEEDS_WEIGHTS and victim.restarts == 1
+        assert world.starts.count(victim.url) == 2 and not victim.registered
+        assert [r.url for r in group.serving()] == [group.records[0].url, group.records[2].url]
+        assert group.updatable() == group.records  # the push must reach it too
+        await group.weights_loaded(2, [r.url for r in group.records])
+        assert victim.status is EngineStatus.READY and victim.registered and victim.weight_version == 2
+        await monitor.stop()
+
+    asyncio.run(main())
+
+
+def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_once() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=2)
+        await group.start()
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=1)
+        monitor.pause("offload")
+        victim = group.records[0]
+        world.up[victim.url] = False
+        monitor.start()
+        await asyncio.sleep(0.05)
+        assert victim.status is EngineStatus.READY  # a sleeping engine is not a dead one
+        monitor.resume("offload")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if victim.restarts and victim.status is EngineStatus.READY:
+                break
+        # Version 0 (no push yet): the restarted engine holds the checkpoint's weights and serves.
+        assert (
+            victim.status is EngineStatus.READY
+            and victim.registered
+            and world.registered.count(victim.url) == 2
+        )
+        await monitor.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,112 @@
+"""Typed async client of the rollout manager (used by the trainer's run controller).
+
+One method per route. State-changing calls carry the bearer token; a blocking rollout gets no
+read timeout by default (a 256-sample rollout of 1024-token responses takes minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vime.clients.base import ServiceClient
+from vime.wire.rollout import (
+    AdmissionResult,
+    DataSourceState,
+    EnginesStatus,
+    JobState,
+    MemoryResult,
+    RolloutJob,
+    TrainingCompleted,
+    UpdatableEngines,
+)
+
+
+class RolloutClient(ServiceClient):
+    """``await client.rollout(0)`` → the finished `RolloutJob` with its batch id and metrics."""
+
+    def __init__(self, base_url: str, *, timeout: float | None = 120.0, **kwargs: Any) -> None:
+        super().__init__(base_url, timeout=timeout, **kwargs)
+
+    async def rollout(
+        self, rollout_id: int, *, evaluation: bool = False, wait: bool = True, dp_size: int | None = None
+    ) -> RolloutJob:
+        """Start rollout ``rollout_id``; with ``wait`` block until it is done (no read timeout).
+
+        A retried call for a rollout that is running or done returns the same job, so a dropped
+        connection does not generate the rollout twice.
+        """
+        body: dict[str, Any] = {"rollout_id": rollout_id, "evaluation": evaluation, "wait": wait}
+        if dp_size is not None:
+            body["dp_size"] = dp_size
+        out = await self.request(
+            "POST", "/v1/rollouts", json=body, timeout=None if wait else ..., expect=(200, 202)
+        )
+        return RolloutJob.model_validate(out)
+
+    async def job(self, job_id: str) -> RolloutJob:
+        return RolloutJob.model_validate(await self.request("GET", f"/v1/rollouts/{job_id}", idempotent=True))
+
+    async def wait_job(self, job_id: str, poll_s: float = 1.0) -> RolloutJob:
+        """Poll a job until it is no longer running."""
+        while True:
+            job = await self.job(job_id)
+            if job.state is not JobState.RUNNING:
+                return job
+            await asyncio.sleep(poll_s)
+
+    async def engines(self) -> EnginesStatus:
+        return EnginesStatus.model_validate(await self.request("GET", "/v1/engines", idempotent=True))
+
+    async def offload(self, level: int | None = None) -> MemoryResult:
+        """Seed steps 33–36: every engine sleeps (level 2 when it receives weight updates)."""
+        out = await self.request("POST", "/v1/engines/offload", json={"level": level}, timeout=None)
+        return MemoryResult.model_validate(out)
+
+    async def onload(self, tags: list[str] | None = None) -> MemoryResult:
+        """Seed steps 4–7 (``["weights"]``) and 10–13 (``["kv_cache", "cuda_graph"]``)."""
+        out = await self.request("POST", "/v1/engines/onload", json={"tags": tags}, timeout=None)
+        return MemoryResult.model_validate(out)
+
+    async def update_lock(self, ttl_s: float = 600.0) -> UpdatableEngines:
+        """The engines a weight push must reach, under a lease (seed: get_updatable_engines_and_lock)."""
+        out = await self.request("POST", "/v1/engines/update-lock", json={"ttl_s": ttl_s})
+        return UpdatableEngines.model_validate(out)
+
+    async def release_update_lock(self, lease_id: str) -> None:
+        await self.request("DELETE", f"/v1/engines/update-lock/{lease_id}", expect=(200, 204))
+
+    async def weights_loaded(
+        self, version: int, *, lease_id: str | None = None, engine_urls: list[str] | None = None
+    ) -> EnginesStatus:
+        """Report a finished push of ``version`` (releases the lease; waiting engines serve again)."""
+        body = {"version": version, "lease_id": lease_id, "engine_urls": engine_urls}
+        return EnginesStatus.model_validate(
+            await self.request("POST", "/v1/engines/weights-loaded", json=body)
+        )
+
+    async def pause_admission(self) -> AdmissionResult:
+        return AdmissionResult.model_validate(await self.request("POST", "/v1/admission/pause"))
+
+    async def resume_admission(self, was_paused: bool = True) -> AdmissionResult:
+        out = await self.request("POST", "/v1/admission/resume", json={"was_paused": was_paused})
+        return AdmissionResult.model_validate(out)
+
+    async def training_ready(self) -> dict[str, Any]:
+        return dict(await self.request("POST", "/v1/training-ready"))
+
+    async def training_completed(self, rollout_id: int) -> TrainingCompleted:
+        out = await self.request("POST", f"/v1/training-completed/{rollout_id}")
+        return TrainingCompleted.model_validate(out)
+
+    async def data_state(self) -> dict[str, Any]:
+        """The data source's position, to save with a checkpoint."""
+        out = await self.request("GET", "/v1/data-source/state", idempotent=True)
+        return DataSourceState.model_validate(out).state
+
+    async def set_data_state(self, state: dict[str, Any]) -> None:
+        """Restore a saved position (a resumed run continues with the prompts it had not seen)."""
+        await self.request("PUT", "/v1/data-source/state", json={"state": state})
+
+    async def health(self) -> dict[str, Any]:
+        return dict(await self.request("GET", "/health", idempotent=True))

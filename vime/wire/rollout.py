@@ -1,0 +1,163 @@
+"""Rollout manager wire schemas: rollouts (seed steps 14–32), engine memory (4–13, 33–36), weight
+bookkeeping (the seed's ``get_updatable_engines_and_lock``, 45–51), admission (44, 53), data-source
+state for checkpoints.
+
+Requests forbid unknown fields, so a typo is a 422 naming it rather than a silently ignored option.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+"""The seed's GPU memory types; only ``weights`` and ``kv_cache`` reach vLLM (steps 10–13)."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RolloutRequest(_Request):
+    """``POST /v1/rollouts``: generate rollout ``rollout_id`` (or evaluate at it)."""
+
+    rollout_id: int = Field(ge=0)
+    """The rollout (outer step) number; it names the batch, it does not size it (seed step 14)."""
+    evaluation: bool = False
+    """Run the eval datasets instead (metrics only, nothing published)."""
+    wait: bool = True
+    """Block until done; false returns the job at once (202) to poll with GET /v1/rollouts/{job_id}."""
+    dp_size: int | None = Field(None, ge=1)
+    """The trainer's data-parallel size for the DP schedule; None uses the run config's."""
+
+
+class JobState(StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RolloutJob(BaseModel):
+    """A rollout (or eval) job and, once done, what it produced."""
+
+    job_id: str
+    rollout_id: int
+    evaluation: bool = False
+    state: JobState = JobState.RUNNING
+    batch_id: str | None = None
+    """Id of the batch published to Redis (training rollouts)."""
+    entry_id: str | None = None
+    """Redis stream entry of the batch."""
+    num_samples: int = 0
+    dp_size: int | None = None
+    weight_version: int | None = None
+    """Weight version the engines held when the rollout started."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None
+    created_at: float = 0.0
+    finished_at: float | None = None
+
+
+class EngineInfo(BaseModel):
+    """One engine as the rollout manager sees it."""
+
+    index: int
+    url: str
+    backend: str
+    status: str
+    """starting | ready | needs_weights | dead | restarting | stopped."""
+    registered: bool
+    """Whether the router sends it requests."""
+    gpu_ids: list[int] = Field(default_factory=list)
+    weight_version: int | None = None
+    """Version of the weights it holds by the manager's bookkeeping (0: the checkpoint)."""
+    reported_weight_version: str | None = None
+    """What the engine itself reports (vLLM >= 0.33, reference engine); None where it reports nothing."""
+    needs_weights: bool = False
+    asleep: list[str] = Field(default_factory=list)
+    restarts: int = 0
+    last_error: str | None = None
+
+
+class EnginesStatus(BaseModel):
+    """``GET /v1/engines``."""
+
+    engines: list[EngineInfo]
+    weight_version: int
+    """The version the trainer last reported loaded."""
+    health_monitor_paused: bool
+    update_lock_held: bool
+
+
+class OffloadRequest(_Request):
+    """``POST /v1/engines/offload``; level None: 2 when engines receive weight updates, else 1."""
+
+    level: int | None = Field(None, ge=1, le=2)
+
+
+class OnloadRequest(_Request):
+    """``POST /v1/engines/onload``; tags None wakes everything."""
+
+    tags: list[MemoryTag] | None = None
+
+
+class MemoryResult(BaseModel):
+    """Outcome of an offload/onload fanned out to every live engine (url -> ok | error: ...)."""
+
+    action: Literal["offload", "onload"]
+    level: int | None = None
+    tags_sent: list[str] | None = None
+    """The tags that reached vLLM after normalisation (None: all)."""
+    results: dict[str, str]
+    seconds: float = 0.0
+
+
+class ResumeAdmissionRequest(_Request):
+    was_paused: bool = True
+    """What pause returned; resume only undoes a pause that took effect (seed step 53)."""
+
+
+class AdmissionResult(BaseModel):
+    was_paused: bool
+    paused: bool
+
+
+class UpdateLockRequest(_Request):
+    ttl_s: float = Field(600.0, gt=0, le=3600)
+    """The lease expires after this, so a trainer that dies while pushing does not block forever."""
+
+
+class UpdatableEngines(BaseModel):
+    """``POST /v1/engines/update-lock``: the engines a push must reach, under a lease."""
+
+    lease_id: str
+    engines: list[EngineInfo]
+    num_new_engines: int
+    """Engines waiting for weights (restarted since the last push)."""
+    weight_version: int
+
+
+class WeightsLoadedRequest(_Request):
+    """``POST /v1/engines/weights-loaded``: the trainer pushed ``version`` to these engines."""
+
+    version: int = Field(ge=0)
+    lease_id: str | None = None
+    """The update lock's lease, released by this call."""
+    engine_urls: list[str] | None = None
+    """None: every live engine."""
+
+
+class TrainingCompleted(BaseModel):
+    rollout_id: int
+    pending_batches: int
+    """Batches published but not yet acked by the slowest trainer rank."""
+
+
+class DataSourceState(BaseModel):
+    """``GET|PUT /v1/data-source/state``: the data source's position, saved with checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state: dict[str, Any]
