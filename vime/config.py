@@ -65,7 +65,7 @@ class DataConfig(Section):
 
 class RewardConfig(Section):
     rm_type: str = "math"
-    """Default reward function (math, gsm8k, dapo, deepscaler, exact_match, f1, remote, or module:function)."""
+    """Default reward function (math, gsm8k, dapo, deepscaler, exact_match, f1, arithmetic, remote, or module:function)."""
     custom_rm_path: str | None = None
     """Import path of a user reward function (package.module:function); overrides rm_type."""
     group_rm: bool = False
@@ -74,8 +74,12 @@ class RewardConfig(Section):
     """Per-sample verification timeout inside the reward service."""
     timeout_reward: float = 0.0
     """Reward given to a sample whose verification timed out."""
+    error_reward: float = 0.0
+    """Reward given to a sample whose reward function failed (raised, crashed its worker, remote unreachable)."""
     num_workers: int = Field(2, ge=1)
     """Processes in the reward service's verification pool."""
+    worker_memory_mb: int | None = Field(4096, ge=256)
+    """Address-space limit of each pool worker (a crafted answer gets MemoryError, not the OOM killer); None = no limit."""
     remote_url: str | None = None
     """URL of another reward server, for rm_type=remote."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)

@@ -1,0 +1,398 @@
+"""The reward service as a real process on a free port, called over HTTP (seed step 26).
+
+Every reward function on right, wrong and malformed answers; a batch of 256; a group; a hanging
+user function timing out while other requests are served; a worker wedged beyond signals; a
+worker that dies (``os._exit``); crafted inputs; bad requests; idempotent retries; remote scoring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vime import procs
+from vime.clients.reward import RewardClient
+from vime.wire.reward import RewardResult, RewardStatus
+
+TIMEOUT_S = 3.0
+TIMEOUT_REWARD = -0.5
+ERROR_REWARD = -0.25
+MAX_BODY = 4 * 1024 * 1024
+TOKEN = "reward-test-token"
+USER_MODULE = "vime_reward_test_user_fns"
+
+USER_FUNCTIONS = '''
+import asyncio
+import os
+import signal
+import time
+
+
+def hang(req):
+    """Never returns on its own (sleeps in Python: the worker's soft timeout ends it)."""
+    time.sleep(3600)
+    return 1.0
+
+
+def wedge(req):
+    """Stuck where no signal reaches it, as C code is: only a kill ends it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(3600)
+    return 1.0
+
+
+def crash(req):
+    os._exit(7)
+
+
+async def async_len(req):
+    await asyncio.sleep(0.01)
+    return {"reward": float(len(req.response or "")), "pred": req.response}
+
+
+def group_rank(reqs):
+    """Rank of each response's length within its group (a reward only a whole group can give)."""
+    order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].response))
+    return [float(order.index(i)) for i in range(len(reqs))]
+
+
+def counted(req):
+    with open(req.options["path"], "a") as f:
+        f.write("call\\n")
+    return 1.0
+
+
+def token_sum(req):
+    return float(sum(req.response_token_ids or []))
+'''
+
+NATALIA = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The reward service on a free port, with the test's user functions importable."""
+    root = tmp_path_factory.mktemp("reward")
+    (root / f"{USER_MODULE}.py").write_text(textwrap.dedent(USER_FUNCTIONS))
+    port = procs.free_port()
+    overrides = {
+        "reward.timeout_s": TIMEOUT_S,
+        "reward.timeout_reward": TIMEOUT_REWARD,
+        "reward.error_reward": ERROR_REWARD,
+        "reward.num_workers": 2,
+        "reward.max_body_bytes": MAX_BODY,
+    }
+    argv = procs.python_module("vime_reward", "--port", str(port))
+    for key, value in overrides.items():
+        argv += ["--set", f"{key}={value}"]
+    pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": pythonpath, "VIME_API_TOKEN": TOKEN}
+    child = procs.start("reward", argv, log_path=root / "reward.log", env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_healthy(url, child, timeout_s=60)
+        yield url
+    finally:
+        child.stop()
+
+
+def client(url: str, **kwargs: object) -> RewardClient:
+    return RewardClient(url, token=TOKEN, **kwargs)  # type: ignore[arg-type]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus series (0.0 when it does not exist yet)."""
+    text = httpx.get(f"{url}/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.escape(f"{name}{{{want}}}" if labels else name) + r" ([0-9.e+-]+)"
+    found = re.search(r"^" + pattern + "$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_pool_whole(url: str, timeout_s: float = 20.0) -> dict:
+    """/health's pool once every worker is back (a replacement starts in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pool = httpx.get(f"{url}/health").json()["pool"]
+        if pool["alive"] == pool["workers"] or time.monotonic() > deadline:
+            return pool
+        time.sleep(0.1)
+
+
+# (fn, response, label, options, expected reward)
+CASES = [
+    ("math", "The probability is $\\boxed{\\frac{1}{2}}$.", "0.5", {}, 1.0),
+    ("math", "The probability is $\\boxed{\\frac{1}{3}}$.", "0.5", {}, 0.0),
+    ("math", "The probability is $\\boxed{\\frac{1}{2}", "0.5", {}, 0.0),
+    ("deepscaler", "<think>try 3</think> so \\boxed{4}", "4", {}, 1.0),
+    ("deepscaler", "<think>try 4</think> so \\boxed{3}", "4", {}, 0.0),
+    ("deepscaler", "so \\boxed{4}", "4", {}, 0.0),
+    ("dapo", "12 + 22 = 34.\nAnswer: 34", "34", {}, 1.0),
+    ("dapo", "12 + 22 = 35.\nAnswer: 35", "34", {}, -1.0),
+    ("dapo", "it is thirty-four", "34", {}, -1.0),
+    ("gsm8k", NATALIA, "72", {}, 1.0),
+    ("gsm8k", NATALIA.replace("#### 72", "#### 71"), "72", {}, 0.0),
+    ("gsm8k", "seventy-two clips", "72", {}, 0.0),
+    ("exact_match", "Paris.", ["paris", "Paris, France"], {}, 1.0),
+    ("exact_match", "Lyon", "paris", {}, 0.0),
+    ("exact_match", "<answer>paris", "paris", {"extract": "answer_tag"}, 0.0),
+    ("f1", "Denver Broncos", "Denver Broncos", {}, 1.0),
+    ("f1", "the Broncos", "Denver Broncos", {}, 2 / 3),
+    ("f1", "", "Denver Broncos", {}, 0.0),
+    ("arithmetic", "46", 46, {}, 1.0),
+    ("arithmetic", "45", "46", {}, 0.0),
+    ("arithmetic", "forty-six", 46, {}, 0.0),
+    (f"{USER_MODULE}:async_len", "abcd", None, {}, 4.0),
+]
+
+
+@pytest.mark.parametrize(("fn", "response", "label", "options", "reward"), CASES)
+async def test_every_function_over_http(
+    service: str, fn: str, response: str, label: object, options: dict, reward: float
+) -> None:
+    async with client(service) as c:
+        result = await c.score({"response": response, "label": label, "fn": fn, "options": options})
+    assert result.status == RewardStatus.OK, result
+    assert result.fn == fn and result.reward == pytest.approx(reward)
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [("so \\boxed{\\frac{1}{2}}", 1.0), ("so \\boxed{3}", 0.0), ("so \\boxed{\\frac{1}{2}", 0.0)],
+)
+async def test_remote_forwards_to_another_reward_server(service: str, response: str, reward: float) -> None:
+    # The remote server here is this same service: the forwarded body names no function, so
+    # it scores with its default (math).
+    opts = {"url": f"{service}/v1/reward", "timeout_s": 10}
+    async with client(service) as c:
+        result = await c.score({"response": response, "label": "0.5", "fn": "remote", "options": opts})
+    assert (result.status, result.fn, result.reward) == (RewardStatus.OK, "remote", reward)
+
+
+async def test_remote_failures_are_handled(service: str) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections into the backlog, never answers
+    try:
+        async with client(service) as c:
+            timed = await c.score(
+                {
+                    "response": "x",
+                    "label": None,
+                    "fn": "remote",
+                    "options": {"url": f"http://127.0.0.1:{silent.getsockname()[1]}/", "timeout_s": 0.5},
+                }
+            )
+            dead_port = procs.free_port()
+            dead = await c.score(
+                {
+                    "response": "x",
+                    "label": None,
+                    "fn": "remote",
+                    "options": {"url": f"http://127.0.0.1:{dead_port}/", "retries": 1},
+                }
+            )
+            wrong_path = await c.score(
+                {"response": "x", "label": "1", "fn": "remote", "options": {"url": f"{service}/nope"}}
+            )
+    finally:
+        silent.close()
+    assert (timed.status, timed.timed_out, timed.reward) == (RewardStatus.TIMEOUT, True, TIMEOUT_REWARD)
+    assert dead.status == RewardStatus.ERROR and dead.reward == ERROR_REWARD
+    assert "after 2 attempt" in (dead.error or "")
+    assert wrong_path.status == RewardStatus.ERROR and "404" in (wrong_path.error or "")
+
+
+async def test_batch_of_256_in_order(service: str) -> None:
+    items = [
+        {
+            "response": f"The answer is \\boxed{{{i if i % 3 else i + 1}}}.",
+            "label": str(i),
+            "sample_id": f"b{i}",
+        }
+        for i in range(256)
+    ]
+    async with client(service) as c:
+        results = await c.score_batch(items, fn="math")
+        again = await c.score_batch(items, fn="math")
+    assert len(results) == 256
+    assert [r.reward for r in results] == [1.0 if i % 3 else 0.0 for i in range(256)]
+    assert [r.sample_id for r in results] == [f"b{i}" for i in range(256)]
+    assert all(r.status == RewardStatus.OK and not r.cached for r in results)
+    assert [r.reward for r in again] == [r.reward for r in results] and all(r.cached for r in again)
+
+
+async def test_group_call_gets_the_whole_group(service: str) -> None:
+    responses = ["ccc", "a", "dddd", "bb"]
+    async with client(service) as c:
+        results = await c.score_batch(
+            [{"response": r, "label": None} for r in responses], fn=f"{USER_MODULE}:group_rank", group=True
+        )
+    assert [r.reward for r in results] == [2.0, 0.0, 3.0, 1.0]
+
+
+async def test_token_ids_reach_user_functions(service: str) -> None:
+    async with client(service) as c:
+        result = await c.score(
+            {"response_token_ids": [1, 2, 3], "label": None, "fn": f"{USER_MODULE}:token_sum"}
+        )
+    assert result.reward == 6.0
+
+
+async def test_hanging_function_times_out_while_others_are_served(service: str) -> None:
+    before = metric(service, "vime_reward_timeouts_total", fn=f"{USER_MODULE}:hang")
+    async with client(service) as c:
+        hang = asyncio.create_task(c.score({"response": "x", "label": None, "fn": f"{USER_MODULE}:hang"}))
+        await asyncio.sleep(0.3)
+        others = await asyncio.gather(
+            *(c.score({"response": str(i), "label": i, "fn": "arithmetic"}) for i in range(20))
+        )
+        hang_still_running = not hang.done()
+        hung = await hang
+    assert [r.reward for r in others] == [1.0] * 20
+    assert hang_still_running, "the other requests waited for the hung one"
+    assert (hung.status, hung.timed_out, hung.reward) == (RewardStatus.TIMEOUT, True, TIMEOUT_REWARD)
+    assert TIMEOUT_S <= hung.elapsed_s < TIMEOUT_S + 1.5
+    assert metric(service, "vime_reward_timeouts_total", fn=f"{USER_MODULE}:hang") == before + 1
+
+
+async def test_wedged_worker_is_killed_and_replaced(service: str) -> None:
+    before = metric(service, "vime_reward_worker_restarts_total", reason="timeout")
+    async with client(service) as c:
+        wedged = await c.score({"response": "x", "label": None, "fn": f"{USER_MODULE}:wedge"})
+        after = await asyncio.gather(
+            *(c.score({"response": "7", "label": 7, "fn": "arithmetic"}) for _ in range(8))
+        )
+    assert wedged.status == RewardStatus.TIMEOUT and wedged.reward == TIMEOUT_REWARD
+    assert all(r.reward == 1.0 for r in after)
+    assert metric(service, "vime_reward_worker_restarts_total", reason="timeout") == before + 1
+    assert wait_pool_whole(service)["alive"] == 2
+
+
+async def test_pool_survives_a_worker_that_exits(service: str) -> None:
+    before = metric(service, "vime_reward_worker_restarts_total", reason="crash")
+    async with client(service) as c:
+        crashed = await c.score({"response": "x", "label": None, "fn": f"{USER_MODULE}:crash"})
+        after = await asyncio.gather(
+            *(c.score({"response": "\\boxed{2}", "label": "2", "fn": "math"}) for _ in range(8))
+        )
+    assert crashed.status == RewardStatus.ERROR and crashed.reward == ERROR_REWARD
+    assert "exit code 7" in (crashed.error or "")
+    assert all(r.reward == 1.0 for r in after)
+    assert metric(service, "vime_reward_worker_restarts_total", reason="crash") == before + 1
+    assert wait_pool_whole(service)["alive"] == 2
+
+
+CRAFTED = {
+    "power tower": ("math", "\\boxed{9^{9^{9^{9^{9}}}}}"),
+    "huge LaTeX": ("math", "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(20000)) + "}"),
+    "deep nesting": ("math", "\\boxed{" + "\\frac{1}{" * 400 + "2" + "}" * 400 + "}"),
+    "deep parens": ("math", "\\boxed{" + "(" * 2000 + "1" + ")" * 2000 + "}"),
+    "1 MB answer": ("math", "\\boxed{" + "9" * 1_000_000 + "}"),
+    "1 MB f1": ("f1", "word " * 200_000),
+    "1 MB gsm8k": ("gsm8k", "1," * 500_000),
+    "1 MB dapo": ("dapo", "Answer: " + "x" * 1_000_000),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+async def test_crafted_input_comes_back_within_the_timeout(service: str, name: str) -> None:
+    fn, response = CRAFTED[name]
+    async with client(service) as c:
+        start = time.monotonic()
+        result = await c.score({"response": response, "label": "1", "fn": fn})
+        took = time.monotonic() - start
+    assert result.status in (RewardStatus.OK, RewardStatus.TIMEOUT), result.error
+    assert result.reward in (0.0, -1.0, TIMEOUT_REWARD)
+    assert took < TIMEOUT_S + 3.0, f"{name} took {took:.1f}s"
+    assert httpx.get(f"{service}/health").status_code == 200
+
+
+def test_bad_requests_get_clear_4xx(service: str) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    post = lambda path, **kw: httpx.post(f"{service}{path}", timeout=30, **kw)  # noqa: E731
+    r = post("/v1/reward", json={"response": "x", "label": "1", "fn": "mathh"})
+    assert r.status_code == 400
+    assert "mathh" in r.json()["error"]["message"] and "gsm8k" in r.json()["error"]["message"]
+    assert set(r.json()["error"]["known"]) >= {"math", "gsm8k", "dapo", "deepscaler", "exact_match", "f1"}
+    r = post("/v1/reward", json={"response": "x"})
+    assert r.status_code == 422 and "label" in r.json()["error"]["message"]
+    r = post("/v1/reward", json={"response": "x", "label": None, "fn": "math"})
+    assert r.status_code == 422 and "label" in r.json()["error"]["message"]
+    r = post("/v1/reward", json={"response": "x", "label": "1", "options": {"float_rounding": "six"}})
+    assert r.status_code == 422 and "options.float_rounding" in r.json()["error"]["message"]
+    r = post("/v1/reward", json={"response": 5, "label": "1"})
+    assert r.status_code == 422 and "response" in r.json()["error"]["message"]
+    r = post("/v1/reward", content=b'{"response": "x", "label"', headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    deep = '{"response": "x", "label": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    r = post("/v1/reward", content=deep.encode(), headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500
+    r = post("/v1/reward", json={"response": "x" * (MAX_BODY + 10), "label": "1"})
+    assert r.status_code == 413
+    r = post("/v1/rewards", json={"items": [{"response": "x", "label": "1"}, {"response": "x"}]})
+    assert r.status_code == 422 and "items.1.label" in r.json()["error"]["message"]
+    r = post(
+        "/v1/rewards",
+        json={
+            "items": [
+                {"response": "x", "label": "1", "fn": "math"},
+                {"response": "x", "label": "1", "fn": "nope"},
+            ]
+        },
+    )
+    assert r.status_code == 400 and "items.1.fn" in r.json()["error"]["message"]
+    r = post("/v1/reward", json={"response": "x", "label": "1", "fn": f"{USER_MODULE}:hang"})
+    assert r.status_code == 401
+    r = post("/v1/reward", json={"response": "x", "label": "1", "fn": "no_such_module_xyz:fn"}, headers=auth)
+    assert r.status_code == 400 and "cannot load" in r.json()["error"]["message"]
+    metrics = httpx.get(f"{service}/metrics").text
+    assert not re.search(r'vime_http_requests_total\{[^}]*status="5\d\d"', metrics)
+
+
+async def test_retry_with_the_same_sample_id_scores_once(service: str, tmp_path: Path) -> None:
+    calls = tmp_path / "calls.txt"
+    req = {
+        "response": "x",
+        "label": None,
+        "fn": f"{USER_MODULE}:counted",
+        "options": {"path": str(calls)},
+        "sample_id": "retry-1",
+    }
+    async with client(service) as c:
+        first, second = await asyncio.gather(c.score(req), c.score(req))
+        third = await c.score(req)
+        changed = await c.score({**req, "response": "y"})
+    assert calls.read_text().splitlines() == ["call", "call"]  # the first request, then the changed one
+    assert sorted([first.cached, second.cached]) == [False, True] and third.cached
+    assert not changed.cached and changed.reward == 1.0
+
+
+async def test_functions_listing_and_health(service: str) -> None:
+    async with client(service) as c:
+        listing = await c.functions()
+        health = await c.health()
+    names = {f.name for f in listing.functions}
+    assert names == {"math", "deepscaler", "dapo", "gsm8k", "exact_match", "f1", "arithmetic", "remote"}
+    assert listing.default == "math"
+    math = next(f for f in listing.functions if f.name == "math")
+    assert "float_rounding" in math.options["properties"] and math.needs_label
+    assert health["service"] == "reward" and health["pool"]["workers"] == 2
+
+
+def test_result_shape_round_trips(service: str) -> None:
+    r = httpx.post(f"{service}/v1/reward", json={"response": "#### 72", "label": "72", "fn": "gsm8k"})
+    result = RewardResult.model_validate(r.json())
+    assert (result.reward, result.pred, result.details, result.timed_out) == (1.0, "72", {"acc": True}, False)

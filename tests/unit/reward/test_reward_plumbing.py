@@ -1,0 +1,236 @@
+"""The reward service's parts without processes: outcomes, user functions, tasks, cache, resolution."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from vime_reward.cache import ResultCache, fingerprint
+from vime_reward.functions import BUILTINS
+from vime_reward.functions.base import Outcome, as_outcome
+from vime_reward.functions.remote import RemoteFailed, RemoteTimeout, _reply_outcome
+from vime_reward.functions.user import describe, is_import_path, load
+from vime_reward.pool import WorkerPool
+from vime_reward.resolve import Resolver
+from vime_reward.worker import run_task
+
+from vime.config import RewardConfig
+from vime.service import ServiceError
+from vime.wire.reward import RewardRequest, RewardResult, RewardStatus
+
+USER_MODULE = """
+import asyncio
+
+def half(req):
+    '''Half a point for anything.'''
+    return 0.5
+
+async def length(req):
+    await asyncio.sleep(0)
+    return {"score": float(len(req.response)), "pred": req.response, "note": "async"}
+
+def per_item(reqs):
+    return [float(i) for i, _ in enumerate(reqs)]
+
+def short_group(reqs):
+    return [1.0]
+
+def raises(req):
+    raise RuntimeError("boom")
+
+def exits(req):
+    raise SystemExit(3)
+
+def nan(req):
+    return float("nan")
+
+def weird_details(req):
+    return {"reward": 1.0, "ratio": float("inf")}
+
+not_callable = 42
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    name = f"reward_user_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_as_outcome_accepts_numbers_bools_and_dicts() -> None:
+    assert as_outcome(1).reward == 1.0
+    assert as_outcome(True).reward == 1.0 and as_outcome(False).reward == 0.0
+    out = as_outcome({"score": -1, "pred": 7, "acc": False})
+    assert (out.reward, out.pred, out.details) == (-1.0, "7", {"acc": False})
+    assert as_outcome({"reward": 0.25, "score": 9}).reward == 0.25
+    kept = Outcome(0.5)
+    assert as_outcome(kept) is kept
+
+
+@pytest.mark.parametrize("bad", ["1.0", None, [1.0], {"value": 1}, math.nan, math.inf])
+def test_as_outcome_refuses_what_is_not_a_reward(bad: object) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        as_outcome(bad)
+
+
+def test_import_paths(user_module: str) -> None:
+    assert is_import_path("pkg.mod:fn") and is_import_path("mod:Cls.method")
+    for bad in ["math", "pkg.mod", "pkg.mod:", ":fn", "a b:c", "mod:fn()"]:
+        assert not is_import_path(bad), bad
+    assert describe(f"{user_module}:half") == {"is_async": False, "doc": "Half a point for anything."}
+    assert describe(f"{user_module}:length")["is_async"] is True
+    with pytest.raises(TypeError):
+        load(f"{user_module}:not_callable")
+    with pytest.raises(ModuleNotFoundError):
+        load("no_such_module_here:fn")
+    with pytest.raises(AttributeError):
+        load(f"{user_module}:missing")
+
+
+def _score(fn: str, items: list[dict], **extra: object) -> dict:
+    return run_task({"kind": "score", "fn": fn, "items": items, **extra})
+
+
+def test_run_task_builtin_with_options() -> None:
+    reply = _score("gsm8k", [{"response": "#### 70", "label": "72"}], options={"format_score": 0.1})
+    assert reply == {"ok": True, "results": [{"reward": 0.1, "pred": "70", "details": {"acc": False}}]}
+
+
+def test_run_task_user_functions(user_module: str) -> None:
+    item = {"response": "abcd", "label": None}
+    assert _score(f"{user_module}:half", [item])["results"][0]["reward"] == 0.5
+    out = _score(f"{user_module}:length", [item])["results"][0]
+    assert out == {"reward": 4.0, "pred": "abcd", "details": {"note": "async"}}
+    group = _score(f"{user_module}:per_item", [item, item, item], group=True)
+    assert [r["reward"] for r in group["results"]] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "group", "message"),
+    [
+        ("raises", False, "RuntimeError: boom"),
+        ("exits", False, "SystemExit: 3"),
+        ("nan", False, "non-finite"),
+        ("short_group", True, "returned 1"),
+    ],
+)
+def test_run_task_failures_become_error_replies(user_module: str, fn: str, group: bool, message: str) -> None:
+    reply = _score(f"{user_module}:{fn}", [{"response": "x", "label": 1}] * 2, group=group)
+    assert reply["ok"] is False and message in reply["error"]
+
+
+def test_run_task_keeps_unserialisable_details_readable(user_module: str) -> None:
+    out = _score(f"{user_module}:weird_details", [{"response": "x", "label": 1}])["results"][0]
+    assert out["reward"] == 1.0 and "inf" in out["details"]["unserializable"]
+
+
+def test_remote_reply_shapes() -> None:
+    assert _reply_outcome(0.75, None).reward == 0.75
+    assert _reply_outcome({"reward": 1, "pred": "x", "details": {"a": 1}}, None).details == {"a": 1}
+    assert _reply_outcome({"score": 2.0, "acc": True}, None).reward == 2.0
+    assert _reply_outcome({"rm": 3.0}, "rm").reward == 3.0
+    with pytest.raises(RemoteTimeout):
+        _reply_outcome({"reward": 0.0, "status": "timeout"}, None)
+    with pytest.raises(RemoteFailed):
+        _reply_outcome({"reward": 0.0, "status": "error", "error": "x"}, None)
+    for bad in ["nope", {"value": 1}, [1]]:
+        with pytest.raises(RemoteFailed):
+            _reply_outcome(bad, None)
+
+
+def _result(reward: float, status: RewardStatus = RewardStatus.OK) -> RewardResult:
+    return RewardResult(reward=reward, fn="math", status=status)
+
+
+async def test_cache_answers_repeats_and_joins_running_duplicates() -> None:
+    cache = ResultCache(capacity=2)
+    calls = 0
+
+    async def compute() -> RewardResult:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)
+        return _result(1.0)
+
+    first, second = await asyncio.gather(cache.once("s1", "d", compute), cache.once("s1", "d", compute))
+    assert calls == 1 and first == (_result(1.0), False) and second == (_result(1.0), True)
+    assert await cache.once("s1", "d", compute) == (_result(1.0), True)
+    # Same id, different request: scored afresh.
+    await cache.once("s1", "other", compute)
+    assert calls == 2
+    # LRU: a third key pushes out the oldest.
+    await cache.once("s2", "d", compute)
+    await cache.once("s3", "d", compute)
+    assert cache.get("s1", "other") is None and cache.get("s3", "d") is not None
+
+
+async def test_cache_keeps_no_errors() -> None:
+    cache = ResultCache()
+
+    async def failing() -> RewardResult:
+        return _result(0.0, RewardStatus.ERROR)
+
+    await cache.once("e", "d", failing)
+    assert cache.get("e", "d") is None
+    cache.put("t", "d", _result(0.0, RewardStatus.TIMEOUT))
+    assert cache.get("t", "d") is not None
+
+
+def test_fingerprint_covers_what_decides_the_answer() -> None:
+    base = RewardRequest(response="\\boxed{1}", label="1")
+    same = fingerprint("math", {}, base)
+    assert same == fingerprint("math", {}, base.model_copy(update={"metadata": {"x": 1}}))
+    assert same != fingerprint("math", {}, base.model_copy(update={"label": "2"}))
+    assert same != fingerprint("math", {}, base.model_copy(update={"response": "\\boxed{2}"}))
+    assert same != fingerprint("dapo", {}, base)
+    assert same != fingerprint("math", {"strict": False}, base)
+
+
+@pytest.fixture
+def resolver() -> Resolver:
+    # The pool is never started: built-in names resolve without it.
+    return Resolver(RewardConfig(rm_type="gsm8k"), WorkerPool(1))
+
+
+async def test_resolver_picks_the_function_in_slimes_order(resolver: Resolver) -> None:
+    req = RewardRequest(response="#### 1", label="1")
+    assert resolver.choose(req) == "gsm8k"
+    assert resolver.choose(req.model_copy(update={"metadata": {"rm_type": "arithmetic"}})) == "arithmetic"
+    assert resolver.choose(req, batch_fn="f1") == "f1"
+    assert resolver.choose(req.model_copy(update={"fn": "dapo"}), batch_fn="f1") == "dapo"
+    job = await resolver.job(req, authorized=False)
+    assert job.target.builtin is BUILTINS["gsm8k"] and job.options["method"] == "strict"
+
+
+async def test_resolver_refuses_what_cannot_be_scored(resolver: Resolver) -> None:
+    async def status(where: str = "", **fields: object) -> tuple[int, str]:
+        req = RewardRequest.model_validate({"response": "x", "label": "1", **fields})
+        with pytest.raises(ServiceError) as err:
+            await resolver.job(req, authorized=False, where=where)
+        return err.value.status_code, err.value.message
+
+    code, msg = await status(fn="mathh")
+    assert code == 400 and "'mathh'" in msg and "gsm8k" in msg and "exact_match" in msg
+    code, msg = await status("items.3.", fn="math", label=None)
+    assert code == 422 and msg.startswith("items.3.label")
+    code, msg = await status(fn="gsm8k", options={"method": "loose"})
+    assert code == 422 and "options.method" in msg
+    code, msg = await status(fn="gsm8k", options={"nope": 1})
+    assert code == 422 and "options.nope" in msg
+    code, msg = await status(fn="arithmetic", label="twelve")
+    assert code == 422 and "integer label" in msg
+    code, _ = await status(fn="pkg.mod:fn")
+    assert code == 401
+    code, _ = await status(fn="remote", options={"url": "http://elsewhere:1/x"})
+    assert code == 401
+    tokens_only = RewardRequest(response_token_ids=[1, 2], label="1", fn="math")
+    with pytest.raises(ServiceError) as err:
+        await resolver.job(tokens_only, authorized=True)
+    assert err.value.status_code == 422 and "response text" in err.value.message
