@@ -1,0 +1,105 @@
+"""Fixtures of the engine contract suite: one engine per session, a client per test, the HF reference.
+
+By default the engine is the CPU reference engine, started as a real process on a free port with
+the tiny kit model (built under the pytest temp dir, or under ``VIME_TEST_MODEL_CACHE``). To run
+the same suite against an engine that is already running — e.g. real ``vllm serve`` on the GPU
+machine, started with ``VLLM_SERVER_DEV_MODE=1 --enable-sleep-mode --weight-transfer-config
+'{"backend": "ipc"}'`` — set:
+
+- ``VIME_CONTRACT_ENGINE_URL``: its base URL;
+- ``VIME_CONTRACT_MODEL_DIR``: the Hugging Face directory it serves (the tests load it with
+  transformers on CPU as the ground truth for log-probs and greedy tokens);
+- optionally ``VIME_CONTRACT_PUSHER=module:factory`` (see ``contract_pushers``), and
+  ``VIME_CONTRACT_LOGPROB_ATOL`` / ``VIME_CONTRACT_INFLIGHT_WAIT_S``.
+
+Nothing here needs more than httpx, pytest, torch, transformers and safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from contract_pushers import WeightPusher, make_pusher
+from contract_support import EngineUnderTest, HFReference, profile_for
+
+from vime.clients.engine import EngineClient
+from vime.wire.engine import EngineInfo
+
+ENV_URL = "VIME_CONTRACT_ENGINE_URL"
+ENV_MODEL = "VIME_CONTRACT_MODEL_DIR"
+
+
+def _describe(url: str, model_dir: Path) -> EngineUnderTest:
+    with httpx.Client(timeout=30) as c:
+        info = EngineInfo.from_body(c.get(url + "/version").json())
+        served = c.get(url + "/v1/models").json()["data"][0]["id"]
+    return EngineUnderTest(url, model_dir, served, info, profile_for(info))
+
+
+def _start_reference_engine(tmp: pytest.TempPathFactory) -> Iterator[EngineUnderTest]:
+    from vime import procs
+    from vime.models.tiny import ensure_tiny_qwen3
+
+    cache = Path(os.environ.get("VIME_TEST_MODEL_CACHE") or tmp.mktemp("models"))
+    model_dir = ensure_tiny_qwen3(cache, "micro")
+    port = procs.free_port()
+    argv = procs.python_module(
+        "vime_rollout.reference_engine",
+        *("--model", str(model_dir), "--port", str(port), "--served-model-name", "tiny-micro"),
+        *("--max-batch", "256", "--seed", "0"),
+    )
+    child = procs.start("reference-engine", argv, log_path=tmp.mktemp("logs") / "reference-engine.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_healthy(url, child, timeout_s=180)
+        yield _describe(url, model_dir)
+    finally:
+        child.stop()
+
+
+@pytest.fixture(scope="session")
+def eut(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineUnderTest]:
+    """The engine under test (reference engine process by default, or VIME_CONTRACT_ENGINE_URL)."""
+    url = os.environ.get(ENV_URL)
+    if not url:
+        yield from _start_reference_engine(tmp_path_factory)
+        return
+    model_dir = os.environ.get(ENV_MODEL)
+    if not model_dir:
+        pytest.fail(f"{ENV_URL} is set: also set {ENV_MODEL} to the model directory the engine serves")
+    yield _describe(url.rstrip("/"), Path(model_dir))
+
+
+@pytest.fixture(scope="session")
+def hf(eut: EngineUnderTest) -> HFReference:
+    """The served model in this process (transformers, fp32, CPU)."""
+    return HFReference(eut.model_dir)
+
+
+@pytest.fixture(scope="session")
+def pusher(eut: EngineUnderTest, tmp_path_factory: pytest.TempPathFactory) -> WeightPusher | None:
+    return make_pusher(None, tmp_path_factory.mktemp("pusher"), eut.profile.reference)
+
+
+@pytest.fixture
+def need_pusher(pusher: WeightPusher | None, eut: EngineUnderTest) -> WeightPusher:
+    if pusher is None:
+        pytest.skip(f"no weight pusher for {eut.profile.name}: set VIME_CONTRACT_PUSHER=module:factory")
+    return pusher
+
+
+@pytest.fixture
+async def engine(eut: EngineUnderTest) -> AsyncIterator[EngineClient]:
+    """A client; afterwards the engine is left as every test expects it: idle, awake, unpaused."""
+    client = EngineClient(eut.url, timeout=300)
+    try:
+        yield client
+    finally:
+        await client.abort_requests()
+        await client.wake_up()
+        await client.resume()
+        await client.aclose()

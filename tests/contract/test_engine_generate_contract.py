@@ -1,0 +1,130 @@
+"""Generate route contract: response shape, log-prob semantics, sampling controls, many requests at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from contract_support import EngineUnderTest, HFReference, debug_state, greedy
+
+from vime.clients.engine import EngineClient
+from vime.wire.engine import EngineInfo
+from vime.wire.vllm import parse_generate_response
+
+PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
+
+
+async def test_identity_routes(engine: EngineClient, eut: EngineUnderTest) -> None:
+    assert await engine.health()
+    info = await engine.version()
+    assert isinstance(info, EngineInfo) and info.version
+    cards = await engine.models()
+    assert cards[0]["id"] == eut.served_name and cards[0]["object"] == "model"
+    assert isinstance(cards[0]["max_model_len"], int) and cards[0]["max_model_len"] > len(PROMPT)
+    assert await engine.get_world_size() >= 1
+
+
+async def test_generate_shape(engine: EngineClient, eut: EngineUnderTest) -> None:
+    body = {
+        "model": eut.served_name,
+        "request_id": "shape-1",
+        "token_ids": PROMPT,
+        "sampling_params": {
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "seed": 3,
+            "logprobs": 2,
+            "ignore_eos": True,
+        },
+    }
+    out = await engine.generate_raw(body)
+    assert out["request_id"] == "generate-tokens-shape-1"
+    assert out["model"] == eut.served_name and isinstance(out["created"], int)
+    (choice,) = out["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    tokens = choice["token_ids"]
+    assert len(tokens) == 6
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in tokens]
+    for c, t in zip(content, tokens, strict=True):
+        assert c["logprob"] <= 0.0
+        assert len(c["top_logprobs"]) == 2  # logprobs=k gives k entries, the sampled token first
+        assert c["top_logprobs"][0] == {"token": f"token_id:{t}", "logprob": c["logprob"], "bytes": None}
+    usage = out["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (8, 6, 14)
+    result = parse_generate_response(out)
+    assert result.token_ids == tokens and result.log_probs == [c["logprob"] for c in content]
+
+    bare = await engine.generate_raw({"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})
+    assert bare["choices"][0]["logprobs"] is None  # no logprobs asked, none sent
+
+
+async def test_logprobs_are_the_sampled_tokens_under_the_model(
+    engine: EngineClient, eut: EngineUnderTest, hf: HFReference
+) -> None:
+    sp = {"max_tokens": 24, "temperature": 1.0, "seed": 11, "logprobs": 1, "ignore_eos": True}
+    result = await engine.generate(PROMPT, sp)
+    expected = hf.token_logprobs(PROMPT, result.token_ids)
+    assert result.log_probs is not None
+    diff = max(abs(a - b) for a, b in zip(result.log_probs, expected, strict=True))
+    assert diff <= eut.profile.logprob_atol, f"max |engine - HF| log-prob = {diff}"
+
+
+async def test_greedy_is_deterministic_and_takes_the_argmax(
+    engine: EngineClient, eut: EngineUnderTest, hf: HFReference
+) -> None:
+    first = await greedy(engine, PROMPT, 16)
+    assert await greedy(engine, PROMPT, 16) == first
+    lp = hf.logprobs(PROMPT, first)
+    best = lp.max(dim=-1).values
+    chosen = lp[torch.arange(len(first)), torch.tensor(first)]
+    assert torch.all(chosen >= best - eut.profile.logprob_atol), "a greedy token was not the model's argmax"
+    if eut.profile.exact_numerics:
+        assert first == hf.greedy(PROMPT, 16)
+
+
+async def test_max_tokens_and_stop_token_ids(engine: EngineClient) -> None:
+    for n in (1, 7):
+        result = await engine.generate(PROMPT, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+        assert len(result.token_ids) == n and result.finish_reason == "length"
+    run = await greedy(engine, PROMPT, 12)
+    k = next(i for i in range(2, len(run)) if run[i] not in run[:i])  # a token first seen at i >= 2
+    stopped = await engine.generate(
+        PROMPT, {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop_token_ids": [run[k]]}
+    )
+    assert stopped.token_ids == run[: k + 1]  # the stop token is kept, as vLLM does
+    assert stopped.finish_reason == "stop"
+    assert stopped.completion_tokens == k + 1
+
+
+async def test_seeds_and_n_choices(engine: EngineClient, hf: HFReference, eut: EngineUnderTest) -> None:
+    sp = {"max_tokens": 10, "temperature": 1.0, "seed": 1234, "ignore_eos": True, "logprobs": 0}
+    a = await engine.generate(PROMPT, sp)
+    assert (await engine.generate(PROMPT, sp)).token_ids == a.token_ids
+    assert (await engine.generate(PROMPT, {**sp, "seed": 99})).token_ids != a.token_ids
+
+    out = await engine.generate_raw({"token_ids": PROMPT, "sampling_params": {**sp, "n": 3}})
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices) == 30
+    assert len({tuple(c["token_ids"]) for c in choices}) == 3
+    for c in choices:
+        got = [e["logprob"] for e in c["logprobs"]["content"]]
+        want = hf.token_logprobs(PROMPT, c["token_ids"])
+        assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= eut.profile.logprob_atol
+
+
+async def test_256_concurrent_requests(engine: EngineClient, eut: EngineUnderTest) -> None:
+    prompts = [[5 + i % 50, 7 + i % 13, 9, 11 + i % 7] for i in range(256)]
+    sp = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
+    before = await debug_state(eut.url) if eut.profile.reference else None
+    results = await asyncio.gather(*(engine.generate(p, sp) for p in prompts))
+    assert all(len(r.token_ids) == 12 and r.finish_reason == "length" for r in results)
+    if before is not None:  # the reference engine says how many passes it took: far fewer than tokens
+        after = await debug_state(eut.url)
+        steps = after["steps"] - before["steps"]
+        tokens = after["generated_tokens"] - before["generated_tokens"]
+        assert tokens / steps >= 8, f"{tokens} tokens in {steps} steps: requests were not batched"
+    if eut.profile.exact_numerics:  # a request's tokens do not depend on what it was batched with
+        for i in (0, 77, 255):
+            assert await greedy(engine, prompts[i], 12) == results[i].token_ids

@@ -1,0 +1,94 @@
+"""Sleep / wake contract (seed steps 5–7, 11–13, 35–36): levels, tag order, held requests, memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from contract_pushers import WeightPusher
+from contract_support import EngineUnderTest, HFReference, greedy, memory_used
+
+from vime.clients.engine import EngineClient
+
+PROMPT = [9, 31, 4, 27, 15, 2]
+HELD_S = 0.6  # how long a held request is watched to make sure it does not finish
+
+
+async def _held(task: asyncio.Task[object]) -> bool:
+    await asyncio.sleep(HELD_S)
+    return not task.done()
+
+
+async def test_level1_roundtrip_keeps_weights_and_holds_requests(engine: EngineClient) -> None:
+    before = await greedy(engine, PROMPT, 10)
+    await engine.sleep(1)
+    assert await engine.is_sleeping()
+    queued = asyncio.create_task(greedy(engine, PROMPT, 10))
+    assert await _held(queued), "a request sent while asleep must wait for the wake, not run or fail"
+    await engine.wake_up(["weights"])
+    assert await engine.is_sleeping(), "kv_cache is still asleep after waking only weights"
+    assert await _held(queued), "a partial wake keeps requests queued"
+    await engine.wake_up(["kv_cache"])
+    assert not await engine.is_sleeping() and not await engine.is_paused()
+    assert await asyncio.wait_for(queued, 120) == before  # level 1 restored the same weights
+
+
+async def test_wake_with_a_tag_not_asleep_changes_nothing(engine: EngineClient) -> None:
+    await engine.sleep(1)
+    await engine.wake_up(["cuda_graph"])  # not a vLLM tag: the whole call is a no-op
+    assert await engine.is_sleeping()
+    await engine.wake_up()
+    assert not await engine.is_sleeping()
+
+
+async def test_pause_counts_as_sleeping_and_wake_resumes(engine: EngineClient) -> None:
+    """vLLM 0.26: /is_sleeping is true while paused, and /wake_up resumes scheduling."""
+    await engine.pause("keep")
+    assert await engine.is_paused() and await engine.is_sleeping()
+    await engine.wake_up()
+    assert not await engine.is_paused() and not await engine.is_sleeping()
+    await engine.sleep(0)  # level 0 only pauses scheduling
+    assert await engine.is_paused()
+    await engine.wake_up(["scheduling"])
+    assert not await engine.is_paused()
+
+
+async def test_level2_drops_weights_and_serves_what_is_pushed(
+    engine: EngineClient, eut: EngineUnderTest, hf: HFReference, need_pusher: WeightPusher
+) -> None:
+    before = await greedy(engine, PROMPT, 10)
+    awake = await memory_used(eut)
+    await engine.sleep(2, "keep")  # seed step 35
+    asleep = await memory_used(eut)
+    await engine.wake_up(["weights"])  # seed step 6: weights re-mapped, contents undefined
+    await need_pusher.push(engine, hf.original, version="contract-level2")
+    await engine.wake_up(["kv_cache"])  # seed step 12
+    assert not await engine.is_sleeping()
+    assert await greedy(engine, PROMPT, 10) == before
+    if eut.profile.reference and awake is not None and asleep is not None:
+        assert awake["weights_bytes"] > 0
+        assert asleep["weights_bytes"] == asleep["weights_backup_bytes"] == asleep["kv_cache_bytes"] == 0
+    elif awake is not None and asleep is not None:
+        assert asleep["gpu_used_bytes"] < awake["gpu_used_bytes"] / 2, (awake, asleep)
+
+
+async def test_level1_releases_memory(engine: EngineClient, eut: EngineUnderTest) -> None:
+    # Fill the KV cache first: 64 sequences of 300 tokens.
+    sp = {"max_tokens": 300, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    await asyncio.gather(*(engine.generate([3 + i % 40, 5, 7], sp) for i in range(64)))
+    awake = await memory_used(eut)
+    if awake is None:
+        pytest.skip("no memory probe for this engine (no /debug/memory, no nvidia-smi)")
+    await engine.sleep(1)
+    asleep = await memory_used(eut)
+    await engine.wake_up()
+    assert asleep is not None
+    if not eut.profile.reference:
+        assert asleep["gpu_used_bytes"] < awake["gpu_used_bytes"] / 2, (awake, asleep)
+        return
+    assert awake["kv_cache_bytes"] > 50 * 2**20 and awake["weights_bytes"] > 0
+    # KV cache discarded, weights set aside as the CPU backup.
+    assert asleep["kv_cache_bytes"] == 0 and asleep["weights_bytes"] == 0
+    assert asleep["weights_backup_bytes"] == awake["weights_bytes"]
+    freed = awake["rss_bytes"] - asleep["rss_bytes"]
+    assert freed >= 0.8 * awake["kv_cache_bytes"], f"RSS fell by {freed} bytes of {awake['kv_cache_bytes']}"
