@@ -128,3 +128,34 @@ async def test_256_concurrent_requests(engine: EngineClient, eut: EngineUnderTes
     if eut.profile.exact_numerics:  # a request's tokens do not depend on what it was batched with
         for i in (0, 77, 255):
             assert await greedy(engine, prompts[i], 12) == results[i].token_ids
+
+
+async def test_top_k_top_p_and_min_tokens(engine: EngineClient) -> None:
+    run = await greedy(engine, PROMPT, 8)
+    base = {"max_tokens": 8, "temperature": 1.0, "seed": 21, "ignore_eos": True}
+    assert (await engine.generate(PROMPT, {**base, "top_k": 1})).token_ids == run
+    assert (await engine.generate(PROMPT, {**base, "top_p": 1e-9})).token_ids == run
+    # min_tokens: the stop token cannot be sampled before min_tokens tokens exist.
+    sp = {
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stop_token_ids": [run[0]],
+        "min_tokens": 3,
+    }
+    held_off = await engine.generate(PROMPT, sp)
+    assert held_off.token_ids[0] != run[0] and len(held_off.token_ids) >= 3
+    assert run[0] not in held_off.token_ids[:3]
+
+
+async def test_stop_strings(engine: EngineClient, eut: EngineUnderTest) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(eut.model_dir))
+    run = await greedy(engine, PROMPT, 12)
+    stop = next(s for t in run[2:] if (s := tok.decode([t], skip_special_tokens=True).strip()))
+    cut = next(j for j in range(1, 13) if stop in tok.decode(run[:j], skip_special_tokens=True))
+    sp = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}
+    result = await engine.generate(PROMPT, sp)
+    assert result.finish_reason == "stop"
+    assert result.token_ids == run[:cut]  # token ids are not cut, only the text would be

@@ -108,7 +108,8 @@ def build_app(core_factory: Any, served: ServedModel) -> FastAPI:
     install_error_handlers(app)
 
     def core_of(request: Request) -> EngineCore:
-        return request.app.state.core  # type: ignore[no-any-return]
+        core: EngineCore = request.app.state.core
+        return core
 
     @app.post("/inference/v1/generate")
     async def generate(body: GenerateRequest, raw: Request) -> Any:
