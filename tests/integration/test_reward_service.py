@@ -21,6 +21,7 @@ import pytest
 
 from vime import procs
 from vime.clients.reward import RewardClient
+from vime.types import Sample
 from vime.wire.reward import RewardResult, RewardStatus
 
 TIMEOUT_S = 3.0
@@ -243,6 +244,25 @@ async def test_group_call_gets_the_whole_group(service: str) -> None:
     assert [r.reward for r in results] == [2.0, 0.0, 3.0, 1.0]
 
 
+async def test_seed_step_26_group_of_eight(service: str) -> None:
+    # Seed step 26: group 0's eight samples of one prompt, scored in one batched call (--group-rm),
+    # give rewards [1, 0, 0, 1, 1, 0, 1, 0]. The samples are rollout Samples; their metadata picks
+    # the synthetic task's verifier (the service's default is math).
+    answers = ["46", "45", "47", "46 because 12+34=46", "46", "4 6", "46", "forty-six"]
+    samples = [
+        Sample(
+            prompt="12+34=", label=46, response=a, group_index=0, index=i, metadata={"rm_type": "arithmetic"}
+        )
+        for i, a in enumerate(answers)
+    ]
+    async with client(service) as c:
+        grouped = await c.score_batch(samples, group=True)
+        one_by_one = [await c.score(s) for s in samples]
+    assert [r.reward for r in grouped] == [1, 0, 0, 1, 1, 0, 1, 0]
+    assert [r.reward for r in one_by_one] == [1, 0, 0, 1, 1, 0, 1, 0]
+    assert {r.fn for r in grouped + one_by_one} == {"arithmetic"}
+
+
 async def test_token_ids_reach_user_functions(service: str) -> None:
     async with client(service) as c:
         result = await c.score(
@@ -358,6 +378,11 @@ def test_bad_requests_get_clear_4xx(service: str) -> None:
     assert r.status_code == 401
     r = post("/v1/reward", json={"response": "x", "label": "1", "fn": "no_such_module_xyz:fn"}, headers=auth)
     assert r.status_code == 400 and "cannot load" in r.json()["error"]["message"]
+    for fn, text in [("math", "so \\\\boxed{\\ud800}"), ("dapo", "Answer: \\ud800")]:
+        # A lone surrogate is valid JSON but not UTF-8: the reply must still encode.
+        body = f'{{"response": "{text}", "label": "1", "fn": "{fn}"}}'
+        r = post("/v1/reward", content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["pred"] is not None, (fn, r.text)
     metrics = httpx.get(f"{service}/metrics").text
     assert not re.search(r'vime_http_requests_total\{[^}]*status="5\d\d"', metrics)
 

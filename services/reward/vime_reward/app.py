@@ -66,6 +66,7 @@ def build_app(cfg: RunConfig) -> FastAPI:
     remote = RemoteScorer(rcfg.remote_url, rcfg.timeout_s)
     resolver = Resolver(rcfg, pool)
     holder: dict[str, Scorer] = {}
+    listing = function_list(resolver.default_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +107,6 @@ def build_app(cfg: RunConfig) -> FastAPI:
     @app.get("/v1/reward-functions", response_model=RewardFunctionList)
     async def reward_functions() -> RewardFunctionList:
         """The built-in reward functions, their labels and options, and the default."""
-        return function_list(resolver.default_name)
+        return listing
 
     return app

@@ -8,18 +8,22 @@ that fails; only requests that cannot be scored at all are refused (by `vime_rew
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from vime.config import RewardConfig
-from vime.service import Metrics
+from vime.service import Metrics, ServiceError
 from vime.wire.reward import RewardRequest, RewardResult, RewardStatus
 from vime_reward.cache import ResultCache, fingerprint
+from vime_reward.functions.base import utf8_safe
 from vime_reward.functions.remote import RemoteFailed, RemoteOptions, RemoteScorer, RemoteTimeout
-from vime_reward.pool import TaskResult, WorkerPool
+from vime_reward.pool import PoolClosed, TaskResult, WorkerPool
 from vime_reward.resolve import Job
+
+log = logging.getLogger("vime_reward.scoring")
 
 
 class RewardMetrics:
@@ -104,7 +108,10 @@ class Scorer:
             "items": [j.req.model_dump(mode="json") for j in jobs],
             "group": True,
         }
-        outcome = await self.pool.run(task, self.cfg.timeout_s)
+        try:
+            outcome = await self.pool.run(task, self.cfg.timeout_s)
+        except PoolClosed as exc:
+            raise ServiceError(503, str(exc)) from None
         results = [self._from_task(j, outcome, i) for i, j in enumerate(jobs)]
         for job, digest, result in zip(jobs, digests, results, strict=True):
             self.metrics.record(result)
@@ -113,11 +120,17 @@ class Scorer:
         return results
 
     async def _compute(self, job: Job) -> RewardResult:
-        if job.target.in_pool:
-            outcome = await self.pool.run(self._task(job), self.cfg.timeout_s)
-            result = self._from_task(job, outcome, 0)
-        else:
-            result = await self._remote(job)
+        try:
+            if job.target.in_pool:
+                outcome = await self.pool.run(self._task(job), self.cfg.timeout_s)
+                result = self._from_task(job, outcome, 0)
+            else:
+                result = await self._remote(job)
+        except PoolClosed as exc:
+            raise ServiceError(503, str(exc)) from None
+        except Exception as exc:  # a bug here must cost one sample, not the batch (and never a 500)
+            log.exception("scoring %s failed", job.target.name)
+            result = self._failed(job.req, job.target.name, "error", f"internal error: {exc!r}", 0.0)
         self.metrics.record(result)
         return result
 
@@ -159,8 +172,8 @@ class Scorer:
         return RewardResult(
             reward=reward,
             fn=fn,
-            pred=pred,
-            details=details or {},
+            pred=utf8_safe(pred),
+            details=utf8_safe(details or {}),
             sample_id=req.sample_id,
             elapsed_s=round(elapsed_s, 6),
         )
@@ -174,7 +187,7 @@ class Scorer:
             status=RewardStatus.TIMEOUT if timed_out else RewardStatus.ERROR,
             fn=fn,
             timed_out=timed_out,
-            error=error,
+            error=utf8_safe(error),
             sample_id=req.sample_id,
             elapsed_s=round(elapsed_s, 6),
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from vime_reward.cache import ResultCache, fingerprint
 from vime_reward.functions import BUILTINS
-from vime_reward.functions.base import Outcome, as_outcome
+from vime_reward.functions.base import Outcome, as_outcome, utf8_safe
 from vime_reward.functions.remote import RemoteFailed, RemoteTimeout, _reply_outcome
 from vime_reward.functions.user import describe, is_import_path, load
 from vime_reward.pool import WorkerPool
@@ -234,3 +234,10 @@ async def test_resolver_refuses_what_cannot_be_scored(resolver: Resolver) -> Non
     with pytest.raises(ServiceError) as err:
         await resolver.job(tokens_only, authorized=True)
     assert err.value.status_code == 422 and "response text" in err.value.message
+
+
+def test_utf8_safe_replaces_lone_surrogates_only() -> None:
+    assert utf8_safe("héllo ∑") == "héllo ∑"
+    cleaned = utf8_safe({"pred": "a\ud800b", "list": ["\udfff"], "n": 1})
+    assert cleaned == {"pred": "a?b", "list": ["?"], "n": 1}
+    assert utf8_safe(None) is None

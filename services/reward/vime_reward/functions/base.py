@@ -116,6 +116,21 @@ def clip(text: str | None) -> str | None:
     return text[:PRED_MAX_CHARS] + "…"
 
 
+def utf8_safe(value: Any) -> Any:
+    """``value`` with lone surrogates (valid in a JSON string, not in UTF-8) replaced, so replies encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "replace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {utf8_safe(k): utf8_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [utf8_safe(v) for v in value]
+    return value
+
+
 def label_list(label: Any) -> list[str]:
     """A label (a string, a number, or a list of acceptable answers) as a list of strings."""
     items = label if isinstance(label, list | tuple) else [label]
