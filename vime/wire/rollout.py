@@ -71,6 +71,8 @@ class EngineInfo(BaseModel):
     registered: bool
     """Whether the router sends it requests."""
     gpu_ids: list[int] = Field(default_factory=list)
+    pid: int | None = None
+    """Process id of a locally launched engine (None for containers and external engines)."""
     weight_version: int | None = None
     """Version of the weights it holds by the manager's bookkeeping (0: the checkpoint)."""
     reported_weight_version: str | None = None

@@ -50,6 +50,7 @@ def engine_info(rec: EngineRecord, reported: str | None = None) -> EngineInfo:
         status=rec.status.value,
         registered=rec.registered,
         gpu_ids=list(rec.spec.gpu_ids),
+        pid=getattr(rec.process, "pid", None),
         weight_version=rec.weight_version,
         reported_weight_version=reported,
         needs_weights=rec.status is EngineStatus.NEEDS_WEIGHTS,

@@ -26,7 +26,7 @@ from vime_rollout.engines.router_registry import router_registry
 from vime_rollout.engines.spec import plan_engines
 from vime_rollout.manager import RolloutManager
 from vime_rollout.model import load_tokenizer, resolve_model_path, served_model_name
-from vime_rollout.rollout.transport import GenerateClient
+from vime_rollout.rollout.transport import RouterGenerator
 from vime_rollout.scorer import RewardScorer
 
 log = logging.getLogger("vime.rollout")
@@ -121,7 +121,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         model_name=model_name,
         engines=group,
         monitor=monitor,
-        generator=GenerateClient(services.url("router"), timeout_s=cfg.router.request_timeout_s),
+        generator=RouterGenerator(services.url("router"), timeout_s=cfg.router.request_timeout_s),
         scorer=RewardScorer(reward, fn=cfg.reward.custom_rm_path, group_rm=cfg.reward.group_rm),
         train_data=DataSource(
             train, cfg.n_samples_per_prompt, shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed

@@ -142,8 +142,9 @@ class StubWorld:
         self.processes[spec.url] = StubProcess(self, spec.url)
         return self.processes[spec.url]
 
-    async def register(self, url: str) -> None:
+    async def register(self, url: str, *, gpu_ids: Sequence[int] = ()) -> None:
         self.registered.append(url)
 
-    async def deregister(self, url: str) -> None:
-        self.deregistered.append(url)
+    async def deregister(self, engine: str) -> bool:
+        self.deregistered.append(engine)
+        return True

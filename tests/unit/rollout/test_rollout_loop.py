@@ -13,8 +13,8 @@ from vime_rollout.filters import check_reward_nonzero_std
 from vime_rollout.rollout.generate import generate, request_payload
 from vime_rollout.rollout.loop import RolloutError, generate_rollout
 from vime_rollout.rollout.state import GenerateState, SamplingSettings, logprobs_wanted
-from vime_rollout.rollout.transport import GenerateFailed
 
+from vime.clients.base import ServiceCallError
 from vime.config import RunConfig, load_config
 from vime.types import Sample, SampleStatus
 
@@ -218,6 +218,6 @@ def test_engine_side_abort_is_retried_and_version_read_from_engine(tokenizer: An
 def test_a_failed_request_fails_the_rollout(tokenizer: Any) -> None:
     cfg = _cfg()
     gen = FakeGenerator()
-    gen.fail_next = [GenerateFailed("generate rejected: HTTP 400", 400)]
-    with pytest.raises(GenerateFailed):
+    gen.fail_next = [ServiceCallError("POST", "/inference/v1/generate", 400, "prompt too long")]
+    with pytest.raises(ServiceCallError, match="prompt too long"):
         _run(_state(cfg, tokenizer, gen, FakeScorer(lambda s: 1)), _source(cfg, tokenizer))

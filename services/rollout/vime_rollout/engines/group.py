@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from vime_rollout.engines.commands import EngineCommand
@@ -28,9 +28,9 @@ ALL_TAGS = ("weights", "kv_cache")
 class RouterRegistry(Protocol):
     """The router's control plane as the engine group uses it."""
 
-    async def register(self, url: str) -> None: ...
+    async def register(self, url: str, *, gpu_ids: Sequence[int] = ()) -> object: ...
 
-    async def deregister(self, url: str) -> None: ...
+    async def deregister(self, engine: str) -> bool: ...
 
 
 class EngineStartError(RuntimeError):
@@ -105,7 +105,7 @@ class EngineGroup:
     # --- router --------------------------------------------------------------------------------
     async def register(self, rec: EngineRecord) -> None:
         if self.router is not None and not rec.registered:
-            await self.router.register(rec.url)
+            await self.router.register(rec.url, gpu_ids=rec.spec.gpu_ids)
         rec.registered = True
 
     async def deregister(self, rec: EngineRecord) -> None:

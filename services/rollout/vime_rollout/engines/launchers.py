@@ -44,6 +44,7 @@ class LocalProcess:
 
     def __init__(self, child: procs.Child) -> None:
         self.child = child
+        self.pid = child.pid
 
     def alive(self) -> bool | None:
         return self.child.alive()

@@ -11,9 +11,9 @@ from vime.config import RunConfig
 from vime_rollout.engines.group import RouterRegistry
 
 
-def router_registry(cfg: RunConfig) -> RouterRegistry | None:
+def router_registry(cfg: RunConfig) -> RouterRegistry:
     """The router control-plane client for this run's router."""
     from vime.clients.router import RouterClient
 
     services = cfg.services
-    return RouterClient(services.url("router_control"), token=services.token())  # type: ignore[return-value]
+    return RouterClient(services.url("router_control"), token=services.token())

@@ -1,0 +1,347 @@
+"""The rollout manager as a process with everything real around it: Redis, the router service
+(vllm-router behind it), the reward service, and two CPU reference engines it starts itself.
+
+The seed's rollout scaled down: 4 prompts × 8 samples, a dynamic filter that drops the groups
+whose rewards are all equal (re-sampling until the batch is full), GRPO-normalised rewards, loss
+masks and a DP schedule read back from Redis as the trainer's ranks read them; an engine killed
+mid-rollout (the rollout still completes; the engine is restarted and waits for weights);
+offload/onload reaching every engine; bad input answered 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+from vime_rollout.rollout.state import logprobs_wanted
+
+from vime import procs
+from vime.algorithms import normalize_group_rewards
+from vime.clients.rollout import RolloutClient
+from vime.config import load_config
+from vime.queue import BatchConsumer
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "it-rollout-token"
+N = 8
+# Rewards by label: "const" prompts score 1 for every sample (zero std: the filter drops the group),
+# "vary" prompts score by a hash of the response (their groups almost surely differ).
+REWARD_MODULE = """
+import zlib
+
+
+def reward(req):
+    if req.label == "const":
+        return 1.0
+    return float(zlib.crc32((req.response or "").encode()) % 2)
+"""
+
+
+@dataclass
+class Stack:
+    url: str
+    cfg_path: Path
+    cfg: dict[str, Any]
+    redis_url: str
+    manager: procs.Child
+    logs: Path
+
+    def client(self) -> RolloutClient:
+        return RolloutClient(self.url, token=TOKEN)
+
+    def config(self) -> Any:
+        return load_config(self.cfg_path)
+
+
+def _write_inputs(work: Path) -> tuple[Path, Path]:
+    prompts = work / "prompts.jsonl"
+    # Alternating labels, not shuffled: the first 4 drawn hold 2 groups the filter drops.
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+{i}=", "label": "const" if i % 2 == 0 else "vary"}) + "\n"
+            for i in range(12)
+        )
+    )
+    evals = work / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": "vary"}) + "\n" for i in range(3)))
+    (work / "rollout_it_rewards.py").write_text(REWARD_MODULE)
+    return prompts, evals
+
+
+def _config(work: Path, redis_url: str) -> dict[str, Any]:
+    prompts, evals = _write_inputs(work)
+    ports = {name: procs.free_port() for name in ("router", "router_control", "reward", "rollout")}
+    return {
+        "run_id": f"it-{uuid.uuid4().hex[:8]}",
+        "output_dir": str(work / "runs"),
+        "rollout_batch_size": 4,
+        "n_samples_per_prompt": N,
+        "over_sampling_batch_size": 4,
+        "rollout_max_prompt_len": 16,
+        "rollout_max_response_len": 48,
+        "rollout_max_context_len": 64,
+        "rollout_num_gpus": 0,
+        "rollout_num_engines_cpu": 2,
+        "vllm_server_concurrency": 16,
+        "actor_num_gpus_per_node": 0,
+        "actor_num_cpu_ranks": 2,
+        "tensor_model_parallel_size": 1,
+        "micro_batch_size": 4,
+        "dynamic_sampling_filter_path": "vime_rollout.filters:check_reward_nonzero_std",
+        "partial_rollout": True,
+        "rollout_logprobs_fraction": 0.5,
+        "model": {"tiny_model_size": "micro"},
+        "data": {
+            "prompt_data": str(prompts),
+            "rollout_shuffle": False,
+            "eval_prompt_data": {"held": str(evals)},
+            "n_samples_per_eval_prompt": 4,
+        },
+        "reward": {"custom_rm_path": "rollout_it_rewards:reward", "num_workers": 1},
+        "engine": {"backend": "reference", "base_port": _free_pair(), "startup_timeout_s": 300},
+        "router": {"policy": "round_robin", "health_check_interval_s": 0.5, "health_failure_threshold": 2},
+        "services": {
+            "host": "127.0.0.1",
+            **{f"{k}_port": v for k, v in ports.items()},
+            "redis_url": redis_url,
+            "api_token": TOKEN,
+        },
+    }
+
+
+def _free_pair() -> int:
+    for _ in range(50):
+        base = procs.free_port()
+        if base < 65000 and not procs.port_open("127.0.0.1", base + 1):
+            return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("rollout-it")
+    cfg = _config(work, redis_url)
+    cfg_path = work / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    logs = work / "logs"
+    s = cfg["services"]
+    children: list[procs.Child] = []
+    engine_pids: list[int] = []
+    try:
+        reward = procs.start(
+            "reward",
+            procs.python_module("vime_reward", "--config", str(cfg_path)),
+            log_path=logs / "reward.log",
+            env={"PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])},
+        )
+        children.append(reward)
+        router = procs.start(
+            "router",
+            procs.python_module("vime_router", "--config", str(cfg_path), "--log-dir", str(logs)),
+            log_path=logs / "router.log",
+        )
+        children.append(router)
+        procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
+        procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
+        manager = procs.start(
+            "rollout",
+            procs.python_module("vime_rollout", "--config", str(cfg_path), "--log-dir", str(logs)),
+            log_path=logs / "rollout.log",
+            env={"VIME_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models")},
+        )
+        children.append(manager)
+        url = f"http://127.0.0.1:{s['rollout_port']}"
+        procs.wait_healthy(url, manager, timeout_s=300)
+        engine_pids = [e["pid"] for e in httpx.get(url + "/v1/engines").json()["engines"]]
+        yield Stack(url, cfg_path, cfg, redis_url, manager, logs)
+    finally:
+        for child in reversed(children):
+            child.stop()
+        for pid in engine_pids:  # in case the manager could not stop them itself
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _read_shares(stack: Stack, batch_id: str, dp_size: int) -> list[Any]:
+    async def read() -> list[Any]:
+        shares = []
+        for rank in range(dp_size):
+            async with BatchConsumer(stack.redis_url, stack.cfg["run_id"], rank, f"it-{rank}") as consumer:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    rb = await consumer.next(block_ms=1000)
+                    if rb is not None and rb.batch_id == batch_id:
+                        shares.append(rb)
+                        break
+                    if rb is not None:
+                        await consumer.ack(rb.batch_id)
+        return shares
+
+    return asyncio.run(read())
+
+
+def _engine_sleeping(url: str) -> bool:
+    return bool(httpx.get(url + "/is_sleeping", timeout=10).json()["is_sleeping"])
+
+
+def test_1_engines_start_asleep_and_onload_reaches_every_engine(stack: Stack) -> None:
+    """colocate → engines sleep after start (the trainer initialises); onload wakes each one."""
+
+    async def main() -> None:
+        async with stack.client() as c:
+            engines = (await c.engines()).engines
+            assert len(engines) == 2 and all(e.status == "ready" and e.registered for e in engines)
+            assert all(set(e.asleep) == {"weights", "kv_cache"} for e in engines)
+            assert all(_engine_sleeping(e.url) for e in engines)
+            r = await c.onload(["weights"])  # seed steps 4–7
+            assert r.tags_sent == ["weights"] and set(r.results.values()) == {"ok"}
+            assert all(_engine_sleeping(e.url) for e in engines)  # kv_cache still asleep
+            await c.weights_loaded(1)  # seed step 8: the trainer pushed v1
+            r = await c.onload(["kv_cache", "cuda_graph"])  # seed steps 10–13
+            assert r.tags_sent == ["kv_cache"] and len(r.results) == 2
+            assert not any(_engine_sleeping(e.url) for e in engines)
+            status = await c.engines()
+            assert status.weight_version == 1 and all(e.weight_version == 1 for e in status.engines)
+
+    asyncio.run(main())
+
+
+def test_2_seed_rollout_scaled_down(stack: Stack) -> None:
+    """4 prompts × 8 samples, filter re-sampling, normalised rewards, loss masks, DP schedule."""
+
+    async def main() -> Any:
+        async with stack.client() as c:
+            return await c.rollout(0)
+
+    job = asyncio.run(main())
+    assert job.state == "done" and job.num_samples == 32 and job.dp_size == 2 and job.weight_version == 1
+    m = job.metrics
+    assert m["rollout/num_groups"] == 4 and m["rollout/num_samples"] == 32
+    assert m["rollout/groups_submitted"] >= 8 and m["rollout/groups_dropped"] >= 2  # "const" groups
+    assert m["rollout/dropped/zero_std_1"] >= 2
+    shares = _read_shares(stack, job.batch_id or "", 2)
+    assert [s.dp_rank for s in shares] == [0, 1]
+    cfg = stack.config()
+    rows = sorted((sh.sample(i) for sh in shares for i in range(sh.num_samples)), key=lambda r: r.index)
+    assert len(rows) == 32
+    groups: dict[int, list[Any]] = {}
+    for r in rows:
+        groups.setdefault(r.group_index, []).append(r)
+    assert len(groups) == 4 and all(len(g) == N for g in groups.values())
+    for gi, g in groups.items():
+        assert [r.index for r in g] == list(range(g[0].index, g[0].index + N))  # deep copies, consecutive
+        rewards = [r.reward for r in g]
+        assert len(set(rewards)) > 1  # the filter kept only groups with non-zero std
+        expected = normalize_group_rewards(rewards, N)
+        np.testing.assert_allclose([r.advantage for r in g], expected, atol=1e-5)
+        assert abs(sum(r.advantage for r in g)) < 1e-4
+        wanted = logprobs_wanted(cfg, gi) is not None
+        for r in g:
+            assert r.response_length > 0 and r.prompt_length > 0
+            assert len(r.loss_mask) == r.response_length and r.loss_mask.all()
+            assert (r.rollout_log_probs is not None) == wanted
+            assert r.weight_version == 1
+    for sh in shares:
+        assert sh.num_samples == 16 and sh.num_microbatches == [4] and sh.global_batch_size == 32
+        assert sh.micro_batches == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
+def test_3_engine_killed_mid_rollout(stack: Stack) -> None:
+    """The rollout completes through the other engine; the dead one is restarted and needs weights."""
+
+    async def main() -> None:
+        async with stack.client() as c:
+            victim = (await c.engines()).engines[1]
+            job = await c.rollout(1, wait=False)
+            await asyncio.sleep(0.3)
+            assert (await c.job(job.job_id)).state == "running"
+            os.kill(victim.pid or 0, signal.SIGKILL)
+            done = await asyncio.wait_for(c.wait_job(job.job_id, 0.2), 180)
+            assert done.state == "done", done.error
+            assert done.num_samples == 32
+            deadline = time.monotonic() + 240
+            status = None
+            while time.monotonic() < deadline:
+                status = (await c.engines()).engines[1]
+                if status.status == "needs_weights":
+                    break
+                await asyncio.sleep(0.5)
+            assert status is not None and status.status == "needs_weights", status
+            assert status.restarts == 1 and not status.registered and status.pid != victim.pid
+            lock = await c.update_lock()
+            assert lock.num_new_engines == 1 and len(lock.engines) == 2
+            await c.weights_loaded(1, lease_id=lock.lease_id)
+            back = (await c.engines()).engines[1]
+            assert back.status == "ready" and back.registered and back.weight_version == 1
+            again = await c.rollout(2)
+            assert again.state == "done" and again.num_samples == 32
+
+    asyncio.run(main())
+
+
+def test_4_offload_reaches_every_engine(stack: Stack) -> None:
+    async def main() -> None:
+        async with stack.client() as c:
+            engines = (await c.engines()).engines
+            r = await c.offload()
+            assert (
+                r.level == 2
+                and set(r.results) == {e.url for e in engines}
+                and set(r.results.values()) == {"ok"}
+            )
+            assert all(_engine_sleeping(e.url) for e in engines)
+            status = await c.engines()
+            assert status.health_monitor_paused and all(
+                set(e.asleep) == {"weights", "kv_cache"} for e in status.engines
+            )
+            # A rollout now would hang in the engines' queues: refused with what to do.
+            r2 = httpx.post(
+                stack.url + "/v1/rollouts",
+                json={"rollout_id": 3},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert r2.status_code == 409 and "onload" in r2.json()["error"]["message"]
+            await c.onload(None)
+            assert not any(_engine_sleeping(e.url) for e in engines)
+            assert not (await c.engines()).health_monitor_paused
+
+    asyncio.run(main())
+
+
+def test_5_bad_input_is_4xx(stack: Stack) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    post = httpx.post
+    assert post(stack.url + "/v1/rollouts", json={"rollout_id": 0}).status_code == 401
+    assert post(stack.url + "/v1/rollouts", json={"rollout_id": "x"}, headers=auth).status_code == 422
+    assert post(stack.url + "/v1/engines/onload", json={"tags": ["vram"]}, headers=auth).status_code == 422
+    assert httpx.get(stack.url + "/v1/rollouts/nope").status_code == 404
+    r = httpx.put(stack.url + "/v1/data-source/state", json={"state": {"version": 1}}, headers=auth)
+    assert r.status_code == 409 and "malformed" in r.json()["error"]["message"]
+
+
+def test_6_eval_and_data_state(stack: Stack) -> None:
+    async def main() -> None:
+        async with stack.client() as c:
+            job = await c.rollout(4, evaluation=True)
+            assert job.batch_id is None and job.metrics["eval/held/num_samples"] == 12.0
+            assert 0.0 <= job.metrics["eval/held/pass@4"] <= 1.0
+            state = await c.data_state()
+            assert state["sample_group_index"] >= 8 and state["dataset_size"] == 12
+            await c.set_data_state(state)
+            assert await c.data_state() == state
+
+    asyncio.run(main())
