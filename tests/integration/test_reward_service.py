@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from vime_reward.pool import WorkerPool
 
 from vime import procs
 from vime.clients.reward import RewardClient
@@ -421,3 +422,28 @@ def test_result_shape_round_trips(service: str) -> None:
     r = httpx.post(f"{service}/v1/reward", json={"response": "#### 72", "label": "72", "fn": "gsm8k"})
     result = RewardResult.model_validate(r.json())
     assert (result.reward, result.pred, result.details, result.timed_out) == (1.0, "72", {"acc": True}, False)
+
+
+async def test_pool_takes_back_a_worker_whose_caller_gave_up() -> None:
+    # The pool on its own (real worker processes, in this test's event loop): a caller cancelled
+    # mid-task must neither lose the worker nor let the next task read the abandoned reply.
+    pool = WorkerPool(1)
+    await pool.start()
+    try:
+        slow = {
+            "kind": "score",
+            "fn": "math",
+            "items": [{"response": CRAFTED["power tower"][1], "label": "1"}],
+        }
+        abandoned = asyncio.create_task(pool.run(slow, timeout_s=1.0))
+        await asyncio.sleep(0.2)
+        abandoned.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+        quick = {"kind": "score", "fn": "gsm8k", "items": [{"response": "#### 72", "label": "72"}]}
+        result = await pool.run(quick, timeout_s=5.0)
+        assert result.status == "ok" and result.reply["results"][0]["reward"] == 1.0
+        assert pool.stats()["restarts"] == {} and pool.stats()["alive"] == 1
+    finally:
+        await pool.close()
+    assert pool.stats()["alive"] == 0

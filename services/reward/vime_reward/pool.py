@@ -143,7 +143,7 @@ class WorkerPool:
         except TimeoutError:
             self._replace_soon(worker, "timeout")
             return TaskResult("timeout", error=f"timed out after {timeout_s:g}s", elapsed_s=_since(start))
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
             code = await self._reap(worker)
             self._replace_soon(worker, "crash", reaped=True)
             return TaskResult(
@@ -189,7 +189,7 @@ class WorkerPool:
     async def _drain(self, worker: _Worker, deadline: float) -> None:
         try:
             await self._recv(worker, deadline - time.perf_counter())
-        except (TimeoutError, EOFError, OSError):
+        except (TimeoutError, EOFError, OSError, pickle.UnpicklingError):
             await self._replace(worker, "abandoned")
         else:
             self._idle.put_nowait(worker)
