@@ -93,8 +93,16 @@ class RouterConfig(Section):
     """How often the router probes each engine's /health."""
     health_failure_threshold: int = Field(2, ge=1)
     """Consecutive failed probes that eject an engine."""
+    health_success_threshold: int = Field(1, ge=1)
+    """Consecutive good probes that re-admit an ejected engine."""
+    health_check_timeout_s: float = Field(1.0, gt=0)
+    """How long one /health probe may take before it counts as a failure."""
     request_timeout_s: float = Field(1800.0, gt=0)
     """Data-plane request timeout; long enough for a 1024-token generation under load."""
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest generate request body the data plane accepts (413 above)."""
+    startup_timeout_s: float = Field(60.0, gt=0)
+    """How long the data-plane processes (vllm-router, the route filter) may take to get ready."""
 
 
 class EngineConfig(Section):

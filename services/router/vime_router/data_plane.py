@@ -1,0 +1,233 @@
+"""The data plane's two processes, started, watched and restarted by the router service.
+
+- vllm-router on a private loopback port: picks the engine (policy from the config), retries
+  refused connections on another engine. Circuit breaker off (under overload every circuit opens
+  at once and it answers 503 to everything), its own health checks effectively off (the control
+  plane ejects engines and keeps vllm-router's worker list; two judges would disagree), request
+  timeout from the config, ``--log-level warning`` *and* ``RUST_LOG=warn``: 0.1.17 ignores the
+  flag and logs two or three INFO lines per request (consistent_hash's CONSISTENT_HASH_DEBUG).
+- the route filter (`vime_router.gate_server`) on the public port, forwarding only the generate
+  routes to vllm-router.
+
+Each runs under `vime_router.orphan_guard`, so it dies with the service even if the service is
+SIGKILLed. A process that exits is restarted on the same port, with backoff if it keeps dying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vime import procs
+from vime.config import RouterConfig
+
+log = logging.getLogger("vime.router.data_plane")
+
+ROUTER_HEALTH_INTERVAL_S = 86_400
+"""vllm-router's own health checks: once a day, i.e. off; the control plane's checks decide."""
+
+
+@dataclass
+class DataPlaneSpec:
+    """Where the data-plane processes listen and how vllm-router is tuned."""
+
+    host: str
+    port: int
+    config: RouterConfig
+    log_dir: Path
+    router_port: int = field(default_factory=procs.free_port)
+    prometheus_port: int = field(default_factory=procs.free_port)
+    stats_port: int = field(default_factory=procs.free_port)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def public_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def vllm_router_argv(spec: DataPlaneSpec) -> list[str]:
+    cfg = spec.config
+    return procs.python_module(
+        "vllm_router.launch_router",
+        "--host", "127.0.0.1",
+        "--port", str(spec.router_port),
+        "--policy", cfg.policy,
+        "--log-level", "warning",
+        "--disable-circuit-breaker",
+        "--request-timeout-secs", str(max(1, round(cfg.request_timeout_s))),
+        "--max-payload-size", str(cfg.max_body_bytes),
+        "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
+        "--worker-startup-timeout-secs", str(max(1, round(cfg.health_check_timeout_s * 5))),
+        "--worker-startup-check-interval", "1",
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(spec.prometheus_port),
+    )  # fmt: skip
+
+
+def gate_argv(spec: DataPlaneSpec) -> list[str]:
+    return procs.python_module(
+        "vime_router.gate_server",
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--upstream-port", str(spec.router_port),
+        "--stats-port", str(spec.stats_port),
+    )  # fmt: skip
+
+
+async def wait_answering(url: str, child: procs.Child, timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200; fail early if the child exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise procs.StartupError(
+                    f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}"
+                )
+            try:
+                r = await http.get(url)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(0.1)
+    raise procs.StartupError(
+        f"{child.name}: {url} not ready after {timeout_s:.0f}s ({last})\n{child.log_tail()}"
+    )
+
+
+class Supervised:
+    """One data-plane process: how to start it and how to tell it is ready."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ready_url: str,
+        log_path: Path,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env or {}
+        self.ready_url = ready_url
+        self.log_path = log_path
+        self.timeout_s = timeout_s
+        self.child: procs.Child | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive()
+
+    async def start(self) -> None:
+        # Started from the event-loop thread: the parent-death signal follows the creating thread.
+        argv = procs.python_module("vime_router.orphan_guard", *self.argv)
+        self.child = procs.start(
+            self.name, argv, log_path=self.log_path, env={**self.env, "VIME_PARENT_PID": str(os.getpid())}
+        )
+        self.started_at = time.monotonic()
+        await wait_answering(self.ready_url, self.child, self.timeout_s)
+
+    async def stop(self) -> None:
+        if self.child is not None:
+            await asyncio.to_thread(self.child.stop, 15.0)
+
+
+class DataPlane:
+    """vllm-router + the route filter; `supervise()` restarts whichever exits."""
+
+    def __init__(self, spec: DataPlaneSpec, on_router_start: Callable[[], Awaitable[None]]) -> None:
+        self.spec = spec
+        self.on_router_start = on_router_start
+        timeout = spec.config.startup_timeout_s
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self.router = Supervised(
+            "vllm-router",
+            vllm_router_argv(spec),
+            f"{spec.router_url}/liveness",
+            spec.log_dir / "vllm-router.log",
+            timeout,
+            env={"RUST_LOG": "warn", "NO_COLOR": "1"},
+        )
+        self.gate = Supervised(
+            "route-filter",
+            gate_argv(spec),
+            f"http://127.0.0.1:{spec.stats_port}/stats",
+            spec.log_dir / "route-filter.log",
+            timeout,
+        )
+        self.ready = False
+
+    @property
+    def restarts(self) -> int:
+        return self.router.restarts + self.gate.restarts
+
+    async def start(self) -> None:
+        await self.router.start()
+        await self.on_router_start()
+        await self.gate.start()
+        self.ready = True
+
+    async def supervise(self, interval_s: float = 0.25) -> None:
+        """Restart a process that exited (forever; cancelled when the service stops)."""
+        failures = {"vllm-router": 0, "route-filter": 0}
+        while True:
+            await asyncio.sleep(interval_s)
+            for proc in (self.router, self.gate):
+                if proc.alive():
+                    if time.monotonic() - proc.started_at > 30:
+                        failures[proc.name] = 0
+                    continue
+                self.ready = False
+                code = proc.child.popen.returncode if proc.child else None
+                log.error(
+                    "%s exited (%s); restarting. Log tail:\n%s",
+                    proc.name,
+                    code,
+                    proc.child.log_tail(10) if proc.child else "",
+                )
+                await asyncio.sleep(min(10.0, 0.5 * 2 ** failures[proc.name]) if failures[proc.name] else 0)
+                failures[proc.name] += 1
+                proc.restarts += 1
+                try:
+                    if proc.child is not None:
+                        await asyncio.to_thread(proc.child.stop, 1.0)
+                    await proc.start()
+                    if proc is self.router:
+                        await self.on_router_start()
+                except Exception as exc:  # keep supervising; the next round tries again
+                    log.error("restarting %s failed: %s", proc.name, exc)
+            self.ready = self.router.alive() and self.gate.alive()
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.gate.stop()
+        await self.router.stop()
+
+    async def gate_stats(self) -> dict[str, int]:
+        """The route filter's counters ({} when it does not answer)."""
+        try:
+            async with httpx.AsyncClient(timeout=1.0) as http:
+                r = await http.get(f"http://127.0.0.1:{self.spec.stats_port}/stats")
+            return dict(r.json()) if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def pids(self) -> tuple[int | None, int | None]:
+        router = self.router.child.pid if self.router.alive() and self.router.child else None
+        gate = self.gate.child.pid if self.gate.alive() and self.gate.child else None
+        return router, gate

@@ -1,0 +1,228 @@
+"""The route filter in front of vllm-router, in-process on loopback against a recording upstream.
+
+What must hold: only PUBLIC_ROUTES reach the upstream (byte-exact path match, so encodings and
+dot-segments do not sneak a control route through), refusals come after owed responses, the head
+the upstream sees is the one that was checked, and upstream failures become clear 502s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from vime_router.gate import Gate
+
+from tests.support.fake_engine import CONTROL_ROUTES
+from vime import procs
+from vime.wire.router import PUBLIC_ROUTES
+
+
+@dataclass
+class Upstream:
+    port: int
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    """A recording stand-in for vllm-router: echoes what it received."""
+    up = Upstream(procs.free_port())
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.read()
+        record = {"method": request.method, "path": request.raw_path, "headers": dict(request.headers)}
+        up.seen.append({**record, "body": body})
+        headers = {"Connection": "close"} if request.headers.get("x-close") else None
+        return web.json_response({**record, "body": body.decode()}, headers=headers)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", up.port).start()
+    yield up
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def gate(upstream: Upstream) -> AsyncIterator[tuple[Gate, int]]:
+    g = Gate("127.0.0.1", upstream.port, PUBLIC_ROUTES)
+    server = await asyncio.get_running_loop().create_server(g.protocol, "127.0.0.1", 0)
+    yield g, server.sockets[0].getsockname()[1]
+    server.close()
+
+
+async def exchange(port: int, raw: bytes, read_s: float = 2.0) -> bytes:
+    """Send raw bytes, read until the gate closes (or ``read_s`` passes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    chunks = []
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), read_s):
+            chunks.append(chunk)
+    except TimeoutError:
+        pass
+    writer.close()
+    return b"".join(chunks)
+
+
+def post(path: str, body: bytes = b'{"token_ids":[1],"sampling_params":{}}', extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+async def test_generate_is_forwarded_with_headers_and_body(
+    gate: tuple[Gate, int], upstream: Upstream
+) -> None:
+    g, port = gate
+    body = {"token_ids": [151644, 872, 198], "sampling_params": {"max_tokens": 1024, "top_k": -1}}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"http://127.0.0.1:{port}/inference/v1/generate", json=body, headers={"X-Session-ID": "abc"}
+        ) as r,
+    ):
+        assert r.status == 200
+        echoed = await r.json()
+    assert echoed["path"] == "/inference/v1/generate"
+    assert json.loads(echoed["body"]) == body
+    assert echoed["headers"]["X-Session-ID"] == "abc"
+    assert g.stats.forwarded == 1 and g.stats.refused == 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        *CONTROL_ROUTES,
+        "/sl%65ep",
+        "//sleep",
+        "/inference/v1/generate/../../sleep",
+        "/inference/v1/generate/",
+        "/INFERENCE/v1/generate",
+        "http://127.0.0.1/sleep",
+        "/sleep?next=/inference/v1/generate",
+        "/flush_cache",
+        "/workers",
+        "/add_worker?url=http://evil:1",
+    ],
+)
+async def test_everything_else_is_refused_before_the_upstream(
+    gate: tuple[Gate, int], upstream: Upstream, path: str
+) -> None:
+    _, port = gate
+    raw = await exchange(port, post(path, b"{}"))
+    assert raw.startswith(b"HTTP/1.1 404 "), raw[:80]
+    assert b"is not served by the router" in raw
+    assert upstream.seen == []
+
+
+async def test_wrong_method_on_a_public_path_is_405_with_allow(
+    gate: tuple[Gate, int], upstream: Upstream
+) -> None:
+    _, port = gate
+    raw = await exchange(port, b"GET /inference/v1/generate HTTP/1.1\r\nhost: r\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 405 ")
+    assert b"allow: POST" in raw
+    assert upstream.seen == []
+
+
+async def test_refusal_waits_for_the_pipelined_response_before_it(
+    gate: tuple[Gate, int], upstream: Upstream
+) -> None:
+    _, port = gate
+    raw = await exchange(
+        port, post("/inference/v1/generate") + post("/sleep", b"{}") + post("/v1/completions")
+    )
+    first, _, rest = raw.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200 ")
+    assert rest.count(b"HTTP/1.1 ") == 1 and b"HTTP/1.1 404 " in rest  # the request after it is never served
+    assert [s["path"] for s in upstream.seen] == ["/inference/v1/generate"]
+
+
+async def test_chunked_request_bodies_are_reframed_intact(gate: tuple[Gate, int], upstream: Upstream) -> None:
+    _, port = gate
+    payload = b'{"token_ids":[1,2,3],"sampling_params":{"max_tokens":4}}'
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (payload[:10], payload[10:]))
+    raw = (
+        b"POST /inference/v1/generate HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n" + chunks + b"0\r\n\r\n"
+    )
+    out = await exchange(port, raw)
+    assert out.startswith(b"HTTP/1.1 200 ")
+    assert upstream.seen[0]["body"] == payload
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"POST /inference/v1/generate HTTP/1.1\r\nhost r\r\n\r\n", b"400"),
+        (b"NOT-HTTP\r\n\r\n", b"400"),
+        (
+            b"POST /inference/v1/generate HTTP/1.1\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+            b"400",
+        ),
+        (
+            b"POST /inference/v1/generate HTTP/1.1\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"0\r\n\r\n",
+            b"400",
+        ),
+        (b"POST /inference/v1/generate HTTP/1.1\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", b"431"),
+    ],
+)
+async def test_malformed_or_ambiguous_requests_are_refused(
+    gate: tuple[Gate, int], upstream: Upstream, raw: bytes, status: bytes
+) -> None:
+    _, port = gate
+    out = await exchange(port, raw)
+    assert out.startswith(b"HTTP/1.1 " + status), out[:80]
+    assert upstream.seen == []
+
+
+async def test_keep_alive_connection_serves_several_requests_and_reconnects_upstream(
+    gate: tuple[Gate, int], upstream: Upstream
+) -> None:
+    _, port = gate
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for i in range(3):
+        # the second response closes the upstream connection; the third request must still work
+        writer.write(post("/inference/v1/generate", extra="x-close: 1\r\n" if i == 1 else ""))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(
+            next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+        )
+        await reader.readexactly(length)
+    writer.close()
+    assert len(upstream.seen) == 3
+
+
+async def test_expect_100_continue_is_answered_by_the_filter(
+    gate: tuple[Gate, int], upstream: Upstream
+) -> None:
+    _, port = gate
+    out = await exchange(
+        port, post("/inference/v1/generate", extra="expect: 100-continue\r\nconnection: close\r\n")
+    )
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 ")
+    assert "Expect" not in upstream.seen[0]["headers"]
+
+
+async def test_unreachable_upstream_is_a_502() -> None:
+    g = Gate("127.0.0.1", procs.free_port(), PUBLIC_ROUTES)
+    server = await asyncio.get_running_loop().create_server(g.protocol, "127.0.0.1", 0)
+    try:
+        out = await exchange(server.sockets[0].getsockname()[1], post("/inference/v1/generate"))
+    finally:
+        server.close()
+    assert out.startswith(b"HTTP/1.1 502 ")
+    assert b"not reachable" in out
+    assert g.stats.as_dict()["in_flight"] == 0

@@ -1,0 +1,150 @@
+"""The router's engine registry, wire shapes and data-plane command line (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from vime_router.data_plane import DataPlaneSpec, gate_argv, vllm_router_argv
+from vime_router.prober import parse_in_flight
+from vime_router.registry import Registry
+
+from vime.config import RouterConfig, load_config
+from vime.service import ServiceError
+from vime.wire.router import EngineRegistration, default_engine_id, normalize_engine_url
+
+
+def reg(url: str = "http://127.0.0.1:18100", engine_id: str | None = "e0") -> EngineRegistration:
+    return EngineRegistration(url=url, id=engine_id)
+
+
+def test_new_engine_serves_after_its_first_good_probe() -> None:
+    r = Registry(failure_threshold=2, success_threshold=3)
+    e, created = r.register(reg())
+    assert created and not e.healthy and r.routable_urls() == set()
+    assert r.record_probe(e, True, None, 0) == "admitted"
+    assert r.routable_urls() == {"http://127.0.0.1:18100"}
+
+
+def test_ejection_needs_threshold_failures_and_readmission_threshold_successes() -> None:
+    r = Registry(failure_threshold=2, success_threshold=3)
+    e, _ = r.register(reg())
+    r.record_probe(e, True, None, 0)
+    assert r.record_probe(e, False, "refused", None) is None  # one failure is not enough
+    assert e.healthy
+    assert r.record_probe(e, False, "refused", None) == "ejected"
+    assert not e.healthy and e.ejections == 1 and e.last_error == "refused"
+    assert r.routable_urls() == set()
+    assert r.record_probe(e, True, None, 0) is None
+    assert r.record_probe(e, False, "again", None) is None  # a failure resets the success streak
+    assert [r.record_probe(e, True, None, 0) for _ in range(3)] == [None, None, "admitted"]
+    assert r.routable_urls() == {e.url}
+
+
+def test_draining_engine_is_not_routable_but_keeps_its_health() -> None:
+    r = Registry(2, 1)
+    e, _ = r.register(reg())
+    r.record_probe(e, True, None, 5)
+    e.draining = True
+    assert e.healthy and not e.routable and r.routable_urls() == set()
+    assert r.record_probe(e, True, None, 0) is None
+    assert e.in_flight == 0
+
+
+def test_registration_conflicts_and_unknown_ids() -> None:
+    r = Registry(2, 1)
+    r.register(reg("http://h:1", "a"))
+    _, created = r.register(reg("http://h:1/", "a"))
+    assert not created
+    with pytest.raises(ServiceError) as same_id:
+        r.register(reg("http://h:2", "a"))
+    assert same_id.value.status_code == 409
+    with pytest.raises(ServiceError) as same_url:
+        r.register(reg("http://h:1", "b"))
+    assert same_url.value.status_code == 409
+    with pytest.raises(ServiceError) as missing:
+        r.remove("nope")
+    assert missing.value.status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("url", "normal"),
+    [
+        ("http://127.0.0.1:18100/", "http://127.0.0.1:18100"),
+        ("  http://Engine-0:8000 ", "http://engine-0:8000"),
+        ("https://[::1]:9000", "https://[::1]:9000"),
+    ],
+)
+def test_engine_urls_are_normalized(url: str, normal: str) -> None:
+    assert normalize_engine_url(url) == normal
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://h:1",
+        "http://h:1/v1",
+        "http://h:1?x=1",
+        "http://user@h:1",
+        "http://:80",
+        "h:1",
+        "http://h:99999",
+    ],
+)
+def test_bad_engine_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValidationError):
+        EngineRegistration(url=url)
+
+
+def test_registration_defaults_and_field_checks() -> None:
+    assert EngineRegistration(url="http://10.0.0.5:18101").engine_id() == "10.0.0.5:18101"
+    assert default_engine_id("http://10.0.0.5:18101/") == "10.0.0.5:18101"
+    with pytest.raises(ValidationError):
+        EngineRegistration(url="http://h:1", id="has/slash")
+    with pytest.raises(ValidationError):
+        EngineRegistration(url="http://h:1", gpu_ids=[0, 0])
+    with pytest.raises(ValidationError):
+        EngineRegistration(url="http://h:1", unknown=1)  # type: ignore[call-arg]
+
+
+def test_in_flight_is_running_plus_waiting_over_all_label_sets() -> None:
+    text = (
+        b"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        b'vllm:num_requests_waiting_by_reason{reason="x"} 100.0\n'
+        b"vllm:num_preemptions_total 7.0\n"
+    )
+    # the _by_reason family shares the prefix; it must not be counted
+    assert parse_in_flight(text) == 9
+    assert parse_in_flight(b"vllm:num_requests_running 0.0\n") == 0
+    assert parse_in_flight(b"other_metric 1\n") is None
+
+
+def test_vllm_router_command_line_follows_the_config(tmp_path: Path) -> None:
+    cfg = load_config(overrides=["router.policy=consistent_hash", "router.request_timeout_s=3600"]).router
+    spec = DataPlaneSpec(host="0.0.0.0", port=18080, config=cfg, log_dir=tmp_path)
+    argv = vllm_router_argv(spec)
+    flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert flag["--policy"] == "consistent_hash"
+    assert flag["--host"] == "127.0.0.1"  # vllm-router itself is never public
+    assert flag["--port"] == str(spec.router_port) != "18080"
+    assert flag["--request-timeout-secs"] == "3600"
+    assert flag["--log-level"] == "warning"
+    assert "--disable-circuit-breaker" in argv
+    assert int(flag["--health-check-interval-secs"]) >= 3600
+    g = gate_argv(spec)
+    assert g[g.index("--port") + 1] == "18080" and g[g.index("--host") + 1] == "0.0.0.0"
+    assert g[g.index("--upstream-port") + 1] == str(spec.router_port)
+    assert spec.public_url == "http://127.0.0.1:18080"
+
+
+def test_router_config_refuses_impossible_values() -> None:
+    with pytest.raises(ValidationError):
+        RouterConfig(policy="cache_aware")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        RouterConfig(health_failure_threshold=0)
+    with pytest.raises(ValidationError):
+        RouterConfig(health_check_interval_s=0)
