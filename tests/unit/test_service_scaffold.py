@@ -121,3 +121,13 @@ async def test_client_retry_reaches_a_late_server() -> None:
         await c.aclose()
         server.should_exit = True
         await task
+
+
+async def test_unparseable_body_keeps_the_error_shape(client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/things", content=b"\xff\xfe", headers={**AUTH, "content-type": "application/json"}
+    )
+    assert 400 <= r.status_code < 500
+    assert "message" in r.json()["error"]
+    r = await client.get("/no/such/route")
+    assert r.status_code == 404 and "message" in r.json()["error"]
