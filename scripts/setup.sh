@@ -16,7 +16,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 stamp="$VENV/.vime-setup"
-want="$(cat pyproject.toml services/*/pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml services/*/pyproject.toml scripts/setup.sh scripts/setup_deploy_tools.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -33,5 +33,7 @@ for svc in services/*/; do
   [ -f "$svc/pyproject.toml" ] && extras+=(-e "$svc")
 done
 $PIP install -q -e ".[dev,models]" "${extras[@]}"
+# Validators for the deployment checks (compose, hadolint, helm, Kubernetes schemas).
+VIME_VENV="$VENV" bash scripts/setup_deploy_tools.sh
 echo "$want" > "$stamp"
 echo "[setup] ready: $VENV" >&2
