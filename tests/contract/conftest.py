@@ -12,11 +12,14 @@ machine, started with ``VLLM_SERVER_DEV_MODE=1 --enable-sleep-mode --weight-tran
 - optionally ``VIME_CONTRACT_PUSHER=module:factory`` (see ``contract_pushers``), and
   ``VIME_CONTRACT_LOGPROB_ATOL`` / ``VIME_CONTRACT_INFLIGHT_WAIT_S``.
 
-Nothing here needs more than httpx, pytest, torch, transformers and safetensors.
+Nothing here needs more than httpx, pytest, torch, transformers and safetensors (plus pydantic,
+which vLLM ships): without pytest-asyncio the async tests run through `pytest_pyfunc_call` below.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -92,14 +95,51 @@ def need_pusher(pusher: WeightPusher | None, eut: EngineUnderTest) -> WeightPush
     return pusher
 
 
+async def _reset(client: EngineClient) -> None:
+    """Leave the engine as every test expects it: nothing in flight, awake, unpaused."""
+    await client.abort_requests()
+    await client.wake_up()
+    await client.resume()
+    await client.aclose()
+
+
+def _asyncio_plugin(config: pytest.Config) -> bool:
+    return bool(config.pluginmanager.hasplugin("asyncio"))
+
+
 @pytest.fixture
-async def engine(eut: EngineUnderTest) -> AsyncIterator[EngineClient]:
-    """A client; afterwards the engine is left as every test expects it: idle, awake, unpaused."""
+async def _engine_async(eut: EngineUnderTest) -> AsyncIterator[EngineClient]:
     client = EngineClient(eut.url, timeout=300)
     try:
         yield client
     finally:
-        await client.abort_requests()
-        await client.wake_up()
-        await client.resume()
-        await client.aclose()
+        await _reset(client)
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest, eut: EngineUnderTest) -> EngineClient:
+    """A client of the engine under test, reset after the test (idle, awake, unpaused)."""
+    if _asyncio_plugin(request.config):
+        client: EngineClient = request.getfixturevalue("_engine_async")
+        return client
+    return EngineClient(eut.url, timeout=300)  # reset by pytest_pyfunc_call, inside the test's loop
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Without pytest-asyncio (e.g. on the GPU machine), run each async test in its own event loop."""
+    test = pyfuncitem.obj
+    if _asyncio_plugin(pyfuncitem.config) or not inspect.iscoroutinefunction(test):
+        return None
+    names = inspect.signature(test).parameters
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+
+    async def run() -> None:
+        try:
+            await test(**kwargs)
+        finally:
+            if isinstance(kwargs.get("engine"), EngineClient):
+                await _reset(kwargs["engine"])
+
+    asyncio.run(run())
+    return True

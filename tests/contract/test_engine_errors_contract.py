@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -43,6 +44,7 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
         ({"token_ids": PROMPT, "sampling_params": {"n": 0}}, "n"),
         ({"token_ids": PROMPT, "sampling_params": {"n": 2, "temperature": 0.0}}, "n"),
         ({"token_ids": PROMPT, "sampling_params": {"min_tokens": 9, "max_tokens": 4}}, "min_tokens"),
+        ({"token_ids": PROMPT, "sampling_params": {"n": 100_000, "temperature": 1.0}}, "n"),
     ],
 )
 async def test_invalid_generate_bodies_are_400(
@@ -113,3 +115,18 @@ async def test_bad_control_parameters_are_400(eut: EngineUnderTest, engine: Engi
     assert (await _post(eut, "/init_weight_transfer_engine", json={})).status_code == 400
     assert (await _post(eut, "/update_weights", json={"no": "update_info"})).status_code == 400
     assert (await _post(eut, "/abort_requests", content=b"not json")).status_code == 400
+
+
+async def test_streaming(eut: EngineUnderTest) -> None:
+    """vLLM streams SSE chunks; the reference engine does not stream and says so with a 400 (documented)."""
+    body = {"token_ids": PROMPT, "sampling_params": SP, "stream": True}
+    r = await _post(eut, "/inference/v1/generate", json=body)
+    if eut.profile.reference:
+        err = _error(r, 400)
+        assert "stream" in err["message"]
+        return
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c["token_ids"]]
+    assert len(tokens) == SP["max_tokens"]

@@ -159,3 +159,28 @@ async def test_stop_strings(engine: EngineClient, eut: EngineUnderTest) -> None:
     result = await engine.generate(PROMPT, sp)
     assert result.finish_reason == "stop"
     assert result.token_ids == run[:cut]  # token ids are not cut, only the text would be
+
+
+def _eos_ids(model_dir: object) -> set[int]:
+    from transformers import AutoConfig, GenerationConfig
+
+    ids: set[int] = set()
+    for cfg in (AutoConfig.from_pretrained(str(model_dir)), GenerationConfig.from_pretrained(str(model_dir))):
+        eos = getattr(cfg, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return ids
+
+
+async def test_eos_stops_unless_ignored(engine: EngineClient, eut: EngineUnderTest) -> None:
+    eos = _eos_ids(eut.model_dir)
+    assert eos, "the model declares no EOS token"
+    max_len = (await engine.models())[0]["max_model_len"]
+    sp = {"max_tokens": min(2000, max_len - len(PROMPT)), "temperature": 1.0, "seed": 77}
+    natural = await engine.generate(PROMPT, sp)
+    if natural.finish_reason == "stop":  # sampled EOS: it ends the output and is kept in it
+        assert natural.token_ids[-1] in eos and not eos & set(natural.token_ids[:-1])
+        ignored = await engine.generate(PROMPT, {**sp, "ignore_eos": True})
+        assert ignored.finish_reason == "length" and len(ignored.token_ids) == sp["max_tokens"]
+        assert ignored.token_ids[: len(natural.token_ids)] == natural.token_ids  # same seed, same draws
+    else:  # never sampled EOS in max_tokens draws: then it must not appear at all
+        assert natural.finish_reason == "length" and not eos & set(natural.token_ids)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from contract_support import EngineUnderTest, debug_state, greedy, until_running
+import httpx
+import pytest
+from contract_support import EngineUnderTest, debug_state, greedy, until_running, wait_for
 
-from vime.clients.base import ServiceCallError
+from vime.clients.base import ServiceCallError, ServiceUnreachable
 from vime.clients.engine import EngineClient
 from vime.wire.engine import engine_request_id
 from vime.wire.vllm import GenerateResult
@@ -101,4 +103,20 @@ async def test_abort_requests_by_id_and_all(engine: EngineClient, eut: EngineUnd
     for task in (other, third):
         assert (await asyncio.wait_for(task, 60)).finish_reason == "abort"
     assert not await engine.is_paused()  # aborting is not pausing: new requests run
+    assert len(await greedy(engine, PROMPT, 4)) == 4
+
+
+async def test_client_disconnect_aborts_its_request(engine: EngineClient, eut: EngineUnderTest) -> None:
+    impatient = EngineClient(eut.url, timeout=0.5, retries=0)
+    try:
+        with pytest.raises((httpx.TimeoutException, ServiceUnreachable)):
+            await impatient.generate(PROMPT, LONG)
+    finally:
+        await impatient.aclose()
+    if eut.profile.reference:  # the engine stopped decoding for the client that left
+
+        async def idle() -> bool:
+            return (await debug_state(eut.url))["requests"] == 0
+
+        await wait_for(idle, timeout=10)
     assert len(await greedy(engine, PROMPT, 4)) == 4
