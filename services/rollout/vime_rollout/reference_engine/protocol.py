@@ -54,7 +54,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = Field(None, ge=1)
@@ -85,15 +85,18 @@ class SamplingParams(BaseModel):
     skip_clone: Any = None
     output_text_buffer_length: Any = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: object) -> object:
+        """vLLM takes one stop string or a list of them."""
+        return [v] if isinstance(v, str) else v
+
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        stops = [v] if isinstance(v, str) else list(v)
-        if any(not s for s in stops):
+    def _stop_not_empty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not s for s in v):
             raise ValueError("stop cannot contain an empty string.")
-        return stops
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

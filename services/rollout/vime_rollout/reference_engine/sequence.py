@@ -97,11 +97,22 @@ class Sequence:
             self.finish("stop", token)
         elif at_limit or len(self.output) >= self.request.max_tokens:
             self.finish("length")
-        elif p.stop and decode is not None:
-            text = decode(self.output, p.skip_special_tokens)
-            hit = next((s for s in p.stop if s in text), None)
+        elif p.stop and decode is not None and len(self.output) > p.min_tokens:
+            hit = self._stop_string(p.stop, p.skip_special_tokens, p.min_tokens, decode)
             if hit is not None:
                 self.finish("stop", hit)
+
+    def _stop_string(
+        self, stops: list[str], skip_special: bool, min_tokens: int, decode: Decoder
+    ) -> str | None:
+        """A stop string ending in the newest token (vLLM checks only text after ``min_tokens`` tokens).
+
+        Any earlier occurrence would have stopped the sequence already, so decoding a tail a few
+        tokens longer than the longest stop string finds every new match in O(1) per step.
+        """
+        window = max(len(s) for s in stops) + 4
+        text = decode(self.output[max(min_tokens, len(self.output) - window) :], skip_special)
+        return next((s for s in stops if s in text), None)
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         if self.finish_reason is None:
