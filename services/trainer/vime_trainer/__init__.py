@@ -1,0 +1,1 @@
+"""vime trainer: Megatron-core training ranks, checkpoints and weight export (run controller later)."""

@@ -1,0 +1,143 @@
+"""Build the Megatron GPT model for an HF architecture and load HF weights into this rank's shard.
+
+`PolicyModel` is megatron-core's ``GPTModel`` whose last pipeline stage returns the final hidden
+states instead of full-vocabulary logits: RL needs the log-probs of response tokens only, and
+`logprobs` computes them in chunks from the hidden states (``output_logits`` applies the
+vocab-parallel output layer to whatever positions it is given). The same code runs on GPU (bf16
+parameters, SDPA attention) and on CPU (fp32, the CPU shim).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from vime.config import TrainerConfig
+from vime_trainer.megatron.runtime import RankInfo
+from vime_trainer.weights.architecture import Architecture
+from vime_trainer.weights.hf_checkpoint import HFReader
+from vime_trainer.weights.hf_mapping import hf_sources, local_to_global, to_mcore
+from vime_trainer.weights.tp_layout import shard
+
+
+class PolicyModel(GPTModel):
+    """GPTModel returning hidden states ``[s, b, h]`` on every stage (final norm applied on the last)."""
+
+    def _postprocess(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits ``[s, b, vocab/tp]`` of hidden states ``[s, b, h]`` (last stage only)."""
+        weight = (
+            self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        )
+        logits, _ = self.output_layer(hidden, weight=weight)
+        return logits
+
+
+def params_dtype(trainer: TrainerConfig, on_gpu: bool) -> torch.dtype:
+    """bf16 on GPU when configured; CPU always trains in fp32."""
+    return torch.bfloat16 if on_gpu and trainer.bf16 else torch.float32
+
+
+def transformer_config(arch: Architecture, info: RankInfo, dtype: torch.dtype) -> TransformerConfig:
+    """Megatron's config for ``arch``: RMSNorm, SwiGLU, RoPE, GQA, no dropout, no fused kernels."""
+    on_gpu = info.device.startswith("cuda")
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        # Init is overwritten by the checkpoint, but perform_initialization=False would also skip
+        # tagging TP-sharded weights, and the grad norm would then count only TP rank 0.
+        perform_initialization=True,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=info.tp_size,
+        pipeline_model_parallel_size=info.pp_size,
+        variable_seq_lengths=info.pp_size > 1,
+    )
+
+
+def layer_spec(arch: Architecture, use_sdpa: bool) -> ModuleSpec:
+    """The local (non-TransformerEngine) layer spec, with SDPA core attention when asked."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    if use_sdpa:
+        from vime_trainer.megatron.sdpa import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> PolicyModel:
+    """This rank's model shard on its device (weights uninitialised until loaded)."""
+    arch.check_parallel(info.tp_size, info.pp_size)
+    dtype = params_dtype(trainer, info.device.startswith("cuda"))
+    model = PolicyModel(
+        transformer_config(arch, info, dtype),
+        layer_spec(arch, trainer.use_sdpa),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=info.is_first_stage,
+        post_process=info.is_last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; floats work
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+    return model.to(info.device)
+
+
+def layer_offset(arch: Architecture, info: RankInfo) -> int:
+    """Global index of this pipeline stage's first layer."""
+    return info.pp_rank * (arch.num_layers // info.pp_size)
+
+
+def local_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters by Megatron name (no DDP ``module.`` prefix)."""
+    inner = getattr(model, "module", model)
+    return dict(inner.named_parameters())
+
+
+def load_hf_weights(model: torch.nn.Module, arch: Architecture, checkpoint: str, info: RankInfo) -> int:
+    """Copy this rank's shard of every parameter from an HF checkpoint; returns the count loaded."""
+    reader = HFReader(checkpoint)
+    offset = layer_offset(arch, info)
+    params = local_parameters(model)
+    with torch.no_grad():
+        for name, param in params.items():
+            full_name = local_to_global(name, offset)
+            full = to_mcore(arch, full_name, [reader.get(s) for s in hf_sources(arch, full_name)])
+            local = shard(full_name, full, info.tp_rank, info.tp_size)
+            if local.shape != param.shape:
+                raise ValueError(
+                    f"{full_name}: checkpoint shard {tuple(local.shape)} != parameter {tuple(param.shape)}"
+                )
+            param.copy_(local.to(device=param.device, dtype=param.dtype))
+    return len(params)

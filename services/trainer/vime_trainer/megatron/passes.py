@@ -1,0 +1,93 @@
+"""Forward-only and forward-backward passes over a list of micro-batches, through Megatron's schedule.
+
+``get_forward_backward_func`` picks the no-pipelining or 1F1B schedule; every pipeline stage walks
+the same micro-batch list (the first stage reads the tokens, the last computes the loss from the
+hidden states). One optimizer step follows one forward-backward pass (seed step 40). Metrics of
+the micro-batches are summed on the last stage and all-reduced over the DP group, so the rank that
+reports them (last stage, TP 0, DP 0) holds global-batch values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from vime_trainer.megatron.micro_batch import MicroBatch
+from vime_trainer.megatron.model import PolicyModel
+
+# (micro-batch index, micro-batch, hidden states) -> (loss, data) on the last stage.
+LossFn = Callable[[int, MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+class Passes:
+    """Runs the schedule for one DDP-wrapped model."""
+
+    def __init__(self, ddp: Any, optimizer: Any, use_local_attention: bool) -> None:
+        self.ddp = ddp
+        self.optimizer = optimizer
+        self.use_local_attention = use_local_attention
+
+    @property
+    def model(self) -> PolicyModel:
+        return self.ddp.module  # type: ignore[no-any-return]
+
+    def _run(self, mbs: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+        def forward_step(data: Iterator[tuple[int, MicroBatch]], model: Any) -> tuple[torch.Tensor, Any]:
+            k, mb = next(data)
+            mask = mb.causal_mask() if self.use_local_attention else None
+            hidden = model(mb.tokens, mb.position_ids, mask)
+            return hidden, lambda out: loss_fn(k, mb, out)
+
+        return get_forward_backward_func()(  # type: ignore[no-any-return]
+            forward_step_func=forward_step,
+            data_iterator=iter(list(enumerate(mbs))),
+            model=[self.ddp],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.seq_length for mb in mbs),
+            micro_batch_size=max(mb.num_samples for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def forward_only(self, mbs: list[MicroBatch], loss_fn: LossFn) -> list[dict[str, Any]]:
+        """Outputs of ``loss_fn`` per micro-batch (on the last stage; empty elsewhere), without grads."""
+        self.ddp.eval()
+        try:
+            with torch.no_grad():
+                return self._run(mbs, loss_fn, forward_only=True)
+        finally:
+            self.ddp.train()
+
+    def step(self, mbs: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """Forward/backward over ``mbs``, then one optimizer step; returns the summed metrics."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(mbs, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics = reduce_metrics(outputs)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["step_ok"] = float(bool(ok))
+        return metrics
+
+
+def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
+    """Sum per-micro-batch metrics and all-reduce them over DP (empty off the last stage)."""
+    if not ps.is_pipeline_last_stage():
+        return {}
+    keys = sorted(outputs[0]) if outputs else []
+    values = torch.stack([torch.stack([o[k].float() for k in keys]) for o in outputs]).sum(0)
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+    out = dict(zip(keys, values.tolist(), strict=True))
+    count = out.pop("mismatch_count", 0.0)
+    abs_sum = out.pop("mismatch_abs_sum", 0.0)
+    above = out.pop("mismatch_above_count", 0.0)
+    if count:
+        out["mismatch_mean_abs"] = abs_sum / count
+        out["mismatch_frac_above"] = above / count
+        out["mismatch_tokens"] = count
+    return out

@@ -1,0 +1,213 @@
+"""One training rank: everything a Ray actor of the trainer does, as a plain class.
+
+`ActorGroup` runs one of these per rank inside a Ray actor; nothing here knows about Ray. The
+rank builds its model shard from an HF checkpoint (or resumes from a distributed checkpoint),
+trains on its `RankBatch`, sleeps and wakes, saves, and takes part in the collective weight
+export. Every method that involves collectives must be called on all ranks at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from vime.batch import RankBatch
+from vime.config import RunConfig
+from vime_trainer.weights.architecture import Architecture
+from vime_trainer.weights.shm import write_bucket
+
+
+class TrainRank:
+    """The state and operations of one Megatron training rank."""
+
+    def __init__(self, rank: int, world_size: int, config: RunConfig, hf_checkpoint: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.hf_checkpoint = hf_checkpoint
+        self.arch = Architecture.from_checkpoint(hf_checkpoint)
+        self._ready = False
+
+    # --- start-up (seed step 3) -------------------------------------------------------------
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the process group, build the model shard, load HF weights, build the optimizer."""
+        from vime_trainer.megatron import model as model_lib
+        from vime_trainer.megatron.memory import Offloader, WeightBackup
+        from vime_trainer.megatron.optimizer import build_optimizer, wrap_ddp
+        from vime_trainer.megatron.passes import Passes
+        from vime_trainer.megatron.runtime import init_rank
+        from vime_trainer.megatron.train_step import TrainStep
+
+        c = self.config
+        if c.advantage_estimator != "grpo":
+            raise ValueError(f"advantage_estimator={c.advantage_estimator!r} is not implemented; use grpo")
+        self.info = init_rank(
+            self.rank,
+            self.world_size,
+            master_addr,
+            master_port,
+            c.tensor_model_parallel_size,
+            c.pipeline_model_parallel_size,
+            c.trainer.seed,
+            cpu_threads=max(1, (os.cpu_count() or 1) // self.world_size),
+        )
+        model = model_lib.build_model(self.arch, c.trainer, self.info)
+        model_lib.load_hf_weights(model, self.arch, self.hf_checkpoint, self.info)
+        self.dtype = model_lib.params_dtype(c.trainer, self.info.device.startswith("cuda"))
+        self.ddp = wrap_ddp(model)
+        self.optimizer = build_optimizer(self.ddp, c.trainer, self.dtype)
+        self.layer_offset = model_lib.layer_offset(self.arch, self.info)
+        self.backup = WeightBackup(self.ddp)
+        self.backup.backup("actor")
+        if c.kl_coef > 0:
+            self.backup.backup("ref")
+        self.offloader = Offloader(self.ddp, self.optimizer, self.info.device)
+        self.passes = Passes(self.ddp, self.optimizer, use_local_attention=not c.trainer.use_sdpa)
+        self.steps = TrainStep(self.passes, c, self.backup, self.info.device, self.info.dp_size)
+        self._ready = True
+        return asdict(self.info)
+
+    # --- training (seed steps 37-41) --------------------------------------------------------
+    def train(self, batch: RankBatch) -> list[dict[str, float]]:
+        """Train on this rank's share; wakes first if asleep (step 37), backs weights up (step 41)."""
+        self.wake_up()
+        return self.steps.train(batch)
+
+    def train_sft(self, batch: RankBatch) -> list[dict[str, float]]:
+        """Supervised warm-up steps on this rank's share of (prompt, label) samples."""
+        self.wake_up()
+        return self.steps.train_sft(batch)
+
+    def log_probs(self, batch: RankBatch) -> list[np.ndarray]:
+        """Response-token log-probs per micro-batch with the current weights (last stage only)."""
+        self.wake_up()
+        return [lp.float().cpu().numpy() for lp in self.steps.log_probs(self.steps.micro_batches(batch))]
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray | None:
+        """Full-vocabulary logits ``[b, s, V]`` of a token batch (returned by the last stage's TP rank 0)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        from vime_trainer.megatron.micro_batch import MicroBatch
+
+        self.wake_up()
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.info.device)
+        b, s = ids.shape
+        empty = torch.zeros(0, dtype=torch.long, device=ids.device)
+        mb = MicroBatch(
+            ids,
+            torch.arange(s, device=ids.device).expand(b, s),
+            empty,
+            empty,
+            empty.float(),
+            empty.float(),
+            empty.float(),
+            empty.bool(),
+            [],
+        )
+        out: list[np.ndarray] = []
+
+        def loss_fn(k: int, _: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logits = gather_from_tensor_model_parallel_region(self.passes.model.output_logits(hidden))
+            out.append(logits.transpose(0, 1).float().cpu().numpy())
+            return hidden.new_zeros(()), {}
+
+        self.passes.forward_only([mb], loss_fn)
+        return out[0] if out and self.info.tp_rank == 0 else None
+
+    # --- memory (seed steps 37, 41) ---------------------------------------------------------
+    def sleep(self) -> int:
+        """Free accelerator memory (parameters, grads, optimizer state); returns bytes freed."""
+        return self.offloader.sleep()
+
+    def wake_up(self) -> None:
+        self.offloader.wake_up()
+
+    @property
+    def asleep(self) -> bool:
+        return self.offloader.asleep
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
+        """Distributed checkpoint of model + optimizer, and the controller's run state (collective)."""
+        from vime_trainer.megatron.checkpoint import save_checkpoint
+
+        self.wake_up()
+        layout = {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size}
+        path = save_checkpoint(
+            self.config.trainer.checkpoint_dir,
+            rollout_id,
+            self.passes.model,
+            self.optimizer,
+            run_state,
+            layout,
+        )
+        return str(path)
+
+    def load(self, path: str | None = None) -> dict[str, Any] | None:
+        """Load ``path`` (default: the newest complete checkpoint); None when there is none."""
+        from vime_trainer.megatron.checkpoint import latest_checkpoint, load_checkpoint
+
+        self.wake_up()
+        if path is None:
+            found = latest_checkpoint(self.config.trainer.checkpoint_dir)
+            if found is None:
+                return None
+            path = str(found[0])
+        state = load_checkpoint(path, self.passes.model, self.optimizer)
+        self.backup.backup("actor")
+        return state
+
+    # --- weight export (seed steps 48-50) ---------------------------------------------------
+    def _export_source(self) -> dict[str, torch.Tensor]:
+        if self.asleep:
+            return self.backup.get("actor")
+        inner = self.passes.model
+        return {n: p.detach() for n, p in inner.named_parameters()}
+
+    def hf_buckets(self) -> Iterator[Any]:
+        """Buckets of full HF tensors (collective; every rank receives every bucket)."""
+        from vime_trainer.megatron.gather import iter_hf_buckets
+
+        return iter_hf_buckets(
+            self.arch,
+            self._export_source(),
+            self.info,
+            self.layer_offset,
+            self.config.trainer.packed_buffer_size_bytes,
+        )
+
+    def hf_state_dict(self) -> dict[str, np.ndarray] | None:
+        """The whole model in HF names as numpy arrays (global rank 0; others None). For small models."""
+        out = {}
+        for bucket in self.hf_buckets():
+            out.update(
+                {
+                    n: t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+                    for n, t in bucket.state_dict().items()
+                }
+            )
+        return out if self.rank == 0 else None
+
+    def write_weight_buckets(self, directory: str | None = None) -> Iterator[dict[str, Any]]:
+        """Write each bucket as a safetensors file (global rank 0) and yield its description."""
+        for bucket in self.hf_buckets():
+            if self.rank == 0:
+                path = write_bucket(bucket, directory)
+                yield {
+                    "path": str(path),
+                    "index": bucket.index,
+                    "names": list(bucket.names),
+                    "nbytes": bucket.nbytes,
+                }
+
+    def shutdown(self) -> None:
+        from vime_trainer.megatron.runtime import shutdown_rank
+
+        if self._ready:
+            shutdown_rank()
+            self._ready = False

@@ -1,0 +1,139 @@
+"""One rollout's training on one rank (seed steps 38–40) and the supervised warm-up step.
+
+Step 38: old log-probs are reused from the loss's own forward (old = current.detach()) when
+`can_reuse_log_probs_in_loss` allows it; otherwise they are first computed with the current
+weights by a no-grad pass over *all* micro-batches, shared by every optimizer step of the rollout
+(or taken from the rollout when ``use_rollout_logprobs``). With ``kl_coef > 0`` reference
+log-probs come from the same kind of pass with the reference weights swapped in. Step 39:
+per-token advantages (`micro_batch`). Step 40: per optimizer step, forward/backward over its
+``num_microbatches[s]`` micro-batches and one optimizer step.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from vime.algorithms import can_reuse_log_probs_in_loss
+from vime.batch import RankBatch
+from vime.config import RunConfig
+from vime_trainer.megatron.loss import LossSettings, forward_log_probs, policy_loss, sft_loss
+from vime_trainer.megatron.memory import WeightBackup
+from vime_trainer.megatron.micro_batch import MicroBatch, make_micro_batch
+from vime_trainer.megatron.passes import Passes
+
+StepMetrics = dict[str, float]
+
+
+class TrainStep:
+    """The training logic of one rank, on top of `Passes`."""
+
+    def __init__(
+        self, passes: Passes, config: RunConfig, backup: WeightBackup, device: str, dp_size: int
+    ) -> None:
+        self.passes = passes
+        self.config = config
+        self.backup = backup
+        self.device = device
+        self.dp_size = dp_size
+
+    def micro_batches(self, batch: RankBatch) -> list[MicroBatch]:
+        if batch.dp_size != self.dp_size:
+            raise ValueError(f"batch is split for dp_size={batch.dp_size} but the trainer has {self.dp_size}")
+        return [make_micro_batch(batch.micro_batch(k), self.device) for k in range(len(batch.micro_batches))]
+
+    def settings(self, batch: RankBatch, num_microbatches: int) -> LossSettings:
+        c = self.config
+        return LossSettings(
+            eps_clip=c.eps_clip,
+            eps_clip_high=c.eps_clip_high if c.eps_clip_high is not None else c.eps_clip,
+            eps_clip_c=c.eps_clip_c,
+            kl_coef=c.kl_coef,
+            kl_loss_type=c.trainer.kl_loss_type,
+            entropy_coef=c.entropy_coef,
+            global_batch_size=batch.global_batch_size,
+            num_microbatches=num_microbatches,
+            dp_size=self.dp_size,
+            chunk_size=c.trainer.logprob_chunk_size,
+        )
+
+    def log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """No-grad log-probs of every micro-batch with the current weights (last stage; [] elsewhere)."""
+        chunk = self.config.trainer.logprob_chunk_size
+        outputs = self.passes.forward_only(
+            mbs, lambda k, mb, hidden: forward_log_probs(self.passes.model.output_logits, hidden, mb, chunk)
+        )
+        return [o["log_probs"] for o in outputs]
+
+    def reference_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Log-probs under the reference weights (swapped in, then the actor's restored)."""
+        self.backup.backup("actor")
+        self.backup.restore("ref")
+        try:
+            return self.log_probs(mbs)
+        finally:
+            self.backup.restore("actor")
+
+    def train(self, batch: RankBatch) -> list[StepMetrics]:
+        """Train on this rank's share of a rollout; one metrics dict per optimizer step."""
+        mbs = self.micro_batches(batch)
+        c = self.config
+        reuse = can_reuse_log_probs_in_loss(c, batch.num_microbatches)
+        train_lp: list[torch.Tensor] | None = None
+        if (not c.use_rollout_logprobs or c.get_mismatch_metrics) and not reuse:
+            train_lp = self.log_probs(mbs)
+        old = [mb.rollout_log_probs for mb in mbs] if c.use_rollout_logprobs else train_lp
+        if c.use_rollout_logprobs:
+            _require_rollout_log_probs(mbs)
+        ref = self.reference_log_probs(mbs) if c.kl_coef > 0 else None
+        bounds = [0, *accumulate(batch.num_microbatches)]
+        results = []
+        for s, n in enumerate(batch.num_microbatches):
+            settings = self.settings(batch, n)
+            lo = bounds[s]
+
+            def loss_fn(
+                k: int, mb: MicroBatch, hidden: torch.Tensor, lo: int = lo, st: LossSettings = settings
+            ) -> Any:
+                return policy_loss(
+                    self.passes.model.output_logits,
+                    hidden,
+                    mb,
+                    st,
+                    old_log_probs=None if old is None else old[lo + k],
+                    ref_log_probs=None if ref is None else ref[lo + k],
+                    train_log_probs=None if train_lp is None else train_lp[lo + k],
+                )
+
+            results.append(self.passes.step(mbs[bounds[s] : bounds[s + 1]], loss_fn))
+        self.backup.backup("actor")  # seed step 41: the push reads this copy while the model sleeps
+        return results
+
+    def train_sft(self, batch: RankBatch) -> list[StepMetrics]:
+        """Supervised steps on (prompt, label) samples: cross-entropy on the label tokens."""
+        mbs = self.micro_batches(batch)
+        bounds = [0, *accumulate(batch.num_microbatches)]
+        results = []
+        for s, n in enumerate(batch.num_microbatches):
+            settings = self.settings(batch, n)
+            results.append(
+                self.passes.step(
+                    mbs[bounds[s] : bounds[s + 1]],
+                    lambda k, mb, hidden, st=settings: sft_loss(
+                        self.passes.model.output_logits, hidden, mb, st
+                    ),
+                )
+            )
+        self.backup.backup("actor")
+        return results
+
+
+def _require_rollout_log_probs(mbs: list[MicroBatch]) -> None:
+    for k, mb in enumerate(mbs):
+        needed = mb.loss_mask > 0
+        if not bool(mb.has_rollout_log_probs[needed].all()):
+            raise ValueError(
+                f"use_rollout_logprobs is set but micro-batch {k} has samples without rollout log-probs"
+            )
