@@ -187,14 +187,16 @@ class TrainerConfig(Section):
     """Swap Megatron's unfused local attention for torch SDPA (no TransformerEngine needed)."""
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing response log-probs without full-vocab fp32 logits."""
-    packed_buffer_size_bytes: int = Field(1 << 30, ge=1 << 20)
-    """Weight-push bucket size."""
+    packed_buffer_size_bytes: int = Field(1 << 30, ge=1 << 12)
+    """Weight-push bucket size (a tensor larger than this travels alone in its own bucket)."""
     weight_transport: Literal["auto", "ipc", "shm"] = "auto"
     """ipc (CUDA IPC, colocated GPUs), shm (safetensors in /dev/shm or shared dir); auto picks."""
     checkpoint_dir: str = "checkpoints"
     """Where distributed checkpoints are written; resume reads the newest one."""
     sft_warmup_steps: int = Field(0, ge=0)
     """Supervised warm-up steps on the labels before RL (the CPU demo uses a few)."""
+    kl_loss_type: Literal["k1", "low_var_kl"] = "low_var_kl"
+    """KL estimator of the loss term against the reference model (used when kl_coef > 0)."""
     seed: int = 1234
     """Trainer RNG seed."""
 
