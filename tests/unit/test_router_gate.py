@@ -226,3 +226,25 @@ async def test_unreachable_upstream_is_a_502() -> None:
     assert out.startswith(b"HTTP/1.1 502 ")
     assert b"not reachable" in out
     assert g.stats.as_dict()["in_flight"] == 0
+
+
+async def test_bodies_over_the_limit_are_413_declared_or_chunked(upstream: Upstream) -> None:
+    g = Gate("127.0.0.1", upstream.port, PUBLIC_ROUTES, max_body_bytes=1024)
+    server = await asyncio.get_running_loop().create_server(g.protocol, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        declared = await exchange(port, post("/inference/v1/generate", b"[" + b"1," * 1000 + b"1]"))
+        assert declared.startswith(b"HTTP/1.1 413 ")
+        assert upstream.seen == []  # refused before anything was forwarded
+        chunk = b"x" * 600
+        chunked = (
+            b"POST /inference/v1/generate HTTP/1.1\r\nhost: r\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2
+        )
+        grown = await exchange(port, chunked)
+        assert grown.startswith(b"HTTP/1.1 413 ")
+        small = await exchange(port, post("/inference/v1/generate", extra="connection: close\r\n"))
+        assert small.startswith(b"HTTP/1.1 200 ")
+    finally:
+        server.close()
+    assert all(s["body"] != chunk * 2 for s in upstream.seen)

@@ -55,7 +55,7 @@ class RouterClient(ServiceClient):
         return EngineList.model_validate(await self.request("GET", "/v1/engines", idempotent=True))
 
     async def engine(self, engine_id: str) -> EngineStatus:
-        """One engine, freshly probed (health and in-flight count)."""
+        """One engine, with its in-flight count read now (health as of the last probe)."""
         return EngineStatus.model_validate(
             await self.request("GET", f"/v1/engines/{engine_id}", idempotent=True)
         )

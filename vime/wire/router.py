@@ -110,6 +110,8 @@ class DataPlaneStatus(BaseModel):
 
     url: str
     """Where generate requests go (the public port of the route filter)."""
+    router_url: str
+    """vllm-router's private loopback address behind the filter (for diagnostics and benchmarks)."""
     policy: RoutingPolicy
     ready: bool
     router_pid: int | None

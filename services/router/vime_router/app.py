@@ -5,7 +5,7 @@ Routes (state-changing ones need the services' bearer token):
 - ``POST /v1/engines`` {url, id?, gpu_ids?} → 201 (200 when already registered): probed at once and
   serving as soon as it answers ``/health``
 - ``GET /v1/engines`` → every engine (health, in-flight, draining, routable) + the data plane
-- ``GET /v1/engines/{id}`` → one engine, freshly probed
+- ``GET /v1/engines/{id}`` → one engine, its in-flight count read now
 - ``DELETE /v1/engines/{id}`` → out of the data plane at once; in-flight requests finish
 - ``POST /v1/engines/{id}/drain`` / ``/undrain`` → no new requests / serving again
 - ``GET /v1/data-plane``, ``GET /health``, ``GET /metrics``

@@ -27,6 +27,7 @@ import httpx
 
 from vime import procs
 from vime.config import RouterConfig
+from vime_router.placeholders import Placeholders
 
 log = logging.getLogger("vime.router.data_plane")
 
@@ -45,6 +46,7 @@ class DataPlaneSpec:
     router_port: int = field(default_factory=procs.free_port)
     prometheus_port: int = field(default_factory=procs.free_port)
     stats_port: int = field(default_factory=procs.free_port)
+    placeholder_ports: tuple[int, int] = field(default_factory=lambda: (procs.free_port(), procs.free_port()))
 
     @property
     def router_url(self) -> str:
@@ -72,6 +74,7 @@ def vllm_router_argv(spec: DataPlaneSpec) -> list[str]:
         "--worker-startup-check-interval", "1",
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(spec.prometheus_port),
+        *(["--worker-urls", *Placeholders(spec.placeholder_ports).urls] if cfg.policy == "power_of_two" else []),
     )  # fmt: skip
 
 
@@ -82,6 +85,7 @@ def gate_argv(spec: DataPlaneSpec) -> list[str]:
         "--port", str(spec.port),
         "--upstream-port", str(spec.router_port),
         "--stats-port", str(spec.stats_port),
+        "--max-body-bytes", str(spec.config.max_body_bytes),
     )  # fmt: skip
 
 
@@ -170,6 +174,7 @@ class DataPlane:
             spec.log_dir / "route-filter.log",
             timeout,
         )
+        self.placeholders = Placeholders(spec.placeholder_ports)
         self.ready = False
 
     @property
@@ -177,6 +182,8 @@ class DataPlane:
         return self.router.restarts + self.gate.restarts
 
     async def start(self) -> None:
+        if self.spec.config.policy == "power_of_two":
+            await self.placeholders.start()
         await self.router.start()
         await self.on_router_start()
         await self.gate.start()
@@ -217,6 +224,7 @@ class DataPlane:
         self.ready = False
         await self.gate.stop()
         await self.router.stop()
+        self.placeholders.stop()
 
     async def gate_stats(self) -> dict[str, int]:
         """The route filter's counters ({} when it does not answer)."""

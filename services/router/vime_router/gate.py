@@ -32,7 +32,8 @@ _REASONS = {
     400: b"Bad Request",
     404: b"Not Found",
     405: b"Method Not Allowed",
-    431: b"Too Large",
+    413: b"Payload Too Large",
+    431: b"Request Header Fields Too Large",
     502: b"Bad Gateway",
 }
 
@@ -73,8 +74,10 @@ class Gate:
         routes: Mapping[str, frozenset[str]],
         *,
         idle_timeout_s: float = 75.0,
+        max_body_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.max_body_bytes = max_body_bytes
         self.routes = {p.encode(): frozenset(m.encode() for m in ms) for p, ms in routes.items()}
         self.idle_timeout_s = idle_timeout_s
         self.stats = GateStats()
@@ -110,6 +113,7 @@ class ClientConnection(asyncio.Protocol):
         self._forwarding = False
         self._chunked = False
         self._keep_alive = True
+        self._body_bytes = 0
 
     # --- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -148,6 +152,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._forwarding = False
         self._chunked = False
+        self._body_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -173,6 +178,11 @@ class ClientConnection(asyncio.Protocol):
             allow = b"allow: " + b", ".join(sorted(methods)) + b"\r\n"
             self.refuse(405, f"{method.decode('latin-1')} is not allowed on {path.decode()}", allow)
             return
+        if self._declared_length() > self.gate.max_body_bytes:
+            # Answered here: vllm-router would answer 413 too, but it hangs up while the body is
+            # still arriving, and the reset can destroy its answer before it is read.
+            self.refuse(413, f"request body larger than {self.gate.max_body_bytes} bytes")
+            return
         self._forwarding = True
         self._keep_alive = self.parser.should_keep_alive()
         self.outstanding += 1
@@ -180,8 +190,14 @@ class ClientConnection(asyncio.Protocol):
         self.send_upstream(self._head(method), head=True)
 
     def on_body(self, body: bytes) -> None:
-        if self._forwarding:
-            self.send_upstream(b"%x\r\n%s\r\n" % (len(body), body) if self._chunked else body)
+        if not self._forwarding:
+            return
+        self._body_bytes += len(body)
+        if self._body_bytes > self.gate.max_body_bytes:  # a chunked body that grew too large
+            self._drop_upstream()
+            self.refuse(413, f"request body larger than {self.gate.max_body_bytes} bytes")
+            return
+        self.send_upstream(b"%x\r\n%s\r\n" % (len(body), body) if self._chunked else body)
 
     def on_message_complete(self) -> None:
         if self._forwarding and self._chunked:
@@ -189,6 +205,21 @@ class ClientConnection(asyncio.Protocol):
         self._forwarding = False
 
     # --- forwarding ----------------------------------------------------------------------------
+    def _declared_length(self) -> int:
+        for name, value in self._headers:
+            if name.lower() == b"content-length":
+                return int(value)  # llhttp has checked it is one decimal number
+        return 0
+
+    def _drop_upstream(self) -> None:
+        """Abandon the upstream connection and everything owed on it."""
+        upstream, self.upstream = self.upstream, None
+        self.connecting = None
+        self.outstanding = 0
+        self._forwarding = False
+        if upstream is not None and upstream.transport is not None:
+            upstream.transport.close()
+
     def _head(self, method: bytes) -> bytes:
         """The request head rebuilt from what llhttp parsed (hop-by-hop extras dropped)."""
         lines = [b"%s %s HTTP/%s\r\n" % (method, self._url, self.parser.get_http_version().encode())]
@@ -228,8 +259,9 @@ class ClientConnection(asyncio.Protocol):
             self.outstanding = 0
             self.refuse(502, f"the router's data plane is not reachable: {exc}")
             return
-        if self.transport is None or self.transport.is_closing():
-            upstream.close()
+        if self.connecting is None or self.transport is None or self.transport.is_closing():
+            if upstream.transport is not None:  # the client left, or the request was dropped, meanwhile
+                upstream.transport.close()
             return
         self.upstream = upstream
         pending, self.connecting = self.connecting or [], None
@@ -245,8 +277,9 @@ class ClientConnection(asyncio.Protocol):
 
     def upstream_lost(self, upstream: UpstreamConnection) -> None:
         """vllm-router closed its side: owe nothing more, or tell the client what happened."""
-        if self.upstream is upstream:
-            self.upstream = None
+        if self.upstream is not upstream:
+            return  # one this connection had already dropped
+        self.upstream = None
         if self.outstanding <= 0 and not self._forwarding:
             if not self._keep_alive:
                 self.close()  # the client asked to close after its last request

@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--upstream-port", type=int, required=True, help="vllm-router's private port")
     p.add_argument("--stats-port", type=int, required=True, help="private loopback port for GET /stats")
     p.add_argument("--idle-timeout-s", type=float, default=75.0)
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024, help="413 above")
     p.add_argument("--grace-s", type=float, default=10.0)
     return p.parse_args(argv)
 
@@ -49,7 +50,13 @@ async def _serve_stats(gate: Gate, reader: asyncio.StreamReader, writer: asyncio
 
 async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    gate = Gate(args.upstream_host, args.upstream_port, PUBLIC_ROUTES, idle_timeout_s=args.idle_timeout_s)
+    gate = Gate(
+        args.upstream_host,
+        args.upstream_port,
+        PUBLIC_ROUTES,
+        idle_timeout_s=args.idle_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+    )
     server = await loop.create_server(gate.protocol, args.host, args.port, backlog=4096)
     stats = await asyncio.start_server(lambda r, w: _serve_stats(gate, r, w), "127.0.0.1", args.stats_port)
     stop = asyncio.Event()

@@ -66,12 +66,15 @@ class Prober:
             return False, f"/health: {type(exc).__name__}: {exc}"[:300], None
         if r.status_code != 200:
             return False, f"/health answered {r.status_code}", None
+        return True, None, await self.in_flight(engine)
+
+    async def in_flight(self, engine: Engine) -> int | None:
+        """The engine's running + waiting requests from its /metrics; None if it does not say."""
         try:
             m = await self._http.get(f"{engine.url}/metrics")
-            in_flight = parse_in_flight(m.content) if m.status_code == 200 else None
         except httpx.HTTPError:
-            in_flight = None
-        return True, None, in_flight
+            return None
+        return parse_in_flight(m.content) if m.status_code == 200 else None
 
     async def check(self, engine: Engine) -> str | None:
         """Probe one engine and record the result; returns the transition, if any."""

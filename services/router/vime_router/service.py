@@ -105,16 +105,18 @@ class RouterService:
         return self.status(engine)
 
     async def refresh(self, engine_id: str) -> EngineStatus:
-        """One engine with a fresh probe (health verdict and in-flight count)."""
+        """One engine with its in-flight count read now (health verdicts stay with the prober)."""
         engine = self.registry.get(engine_id)
-        await self.prober.check(engine)
-        await self.sync_quietly()
+        in_flight = await self.prober.in_flight(engine)
+        if in_flight is not None:
+            engine.in_flight = in_flight
         return self.status(engine)
 
     def data_plane_status(self) -> DataPlaneStatus:
         router_pid, filter_pid = self.data_plane.pids()
         return DataPlaneStatus(
             url=self.data_plane.spec.public_url,
+            router_url=self.data_plane.spec.router_url,
             policy=self.config.policy,
             ready=self.data_plane.ready,
             router_pid=router_pid,

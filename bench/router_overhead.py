@@ -1,0 +1,300 @@
+"""What the router costs on the generate path: throughput and latency through it vs. straight to the engines.
+
+    python bench/router_overhead.py [--engines 4] [--concurrency 256 2048] [--delay-s 1.0 2.0] [--duration-s 20]
+
+Starts ``--engines`` fake engines (tests/support/fake_engine.py) that answer every generate after a
+fixed delay, and the router service (``python -m vime_router``: route filter → vllm-router) in
+front of them. For each concurrency (with its delay: one ``--delay-s`` per concurrency, or one for
+all) it runs a closed loop of that many concurrent generate requests (seed step 20's body: 200
+prompt tokens, logprobs=1) for ``--duration-s``: straight to the engines (client-side round robin,
+the baseline), then through the router, ``--rounds`` times. Worker starts are spread over one
+delay so completions arrive steadily, as in a rollout whose responses differ in length.
+
+Reported over the window after ``--warmup-s``: completed requests per second, latency
+percentiles, the ratios router / direct throughput (goal ≥ 0.98) and p99 latency overhead (goal
+< 5 ms), and the CPU each process spent per request (client, engines, route filter, vllm-router):
+the router's cost in CPU-seconds, which is what decides its overhead once the machine is busy.
+The same aiohttp client (uvloop) drives both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
+
+from tests.support.router_harness import start_fake_engines, start_router, stop_all
+
+console = Console(width=200)
+BODY = json.dumps(
+    {
+        "model": "fake",
+        "token_ids": [151644, 872, 198, *range(1000, 1197)],
+        "sampling_params": {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "logprobs": 1, "top_k": -1},
+    }
+).encode()
+
+
+@dataclass
+class RunResult:
+    mode: str
+    concurrency: int
+    delay_s: float
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    errors: int
+    cpu_us: dict[str, float] = field(default_factory=dict)
+    """CPU microseconds per completed request, by process."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def closed_loop(urls: list[str], concurrency: int, delay_s: float, args: argparse.Namespace, mode: str):  # type: ignore[no-untyped-def]
+    """``concurrency`` workers, each sending one request after another until ``duration_s``."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=15, happy_eyeballs_delay=None)
+    done: list[tuple[float, float]] = []
+    errors = 0
+    clock = time.perf_counter  # uvloop's loop.time() has millisecond resolution
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
+    ) as session:
+        start = clock()
+        stop_at = start + args.duration_s
+
+        async def worker(i: int) -> None:
+            nonlocal errors
+            url = urls[i % len(urls)]
+            await asyncio.sleep(delay_s * i / concurrency)
+            while clock() < stop_at:
+                t0 = clock()
+                try:
+                    async with session.post(
+                        url, data=BODY, headers={"content-type": "application/json"}
+                    ) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    done.append((t0 - start, clock() - start))
+                else:
+                    errors += 1
+
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"{mode:>6} c={concurrency}", total=args.duration_s)
+            workers = asyncio.gather(*(worker(i) for i in range(concurrency)))
+            while not workers.done():
+                progress.update(task, completed=min(args.duration_s, clock() - start))
+                await asyncio.sleep(0.25)
+            await workers
+    return done, errors
+
+
+def run_once(
+    mode: str, urls: list[str], c: int, delay_s: float, pids: dict[str, int], args: argparse.Namespace
+) -> RunResult:
+    import uvloop
+
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    client_before = time.process_time()
+    done, errors = uvloop.run(closed_loop(urls, c, delay_s, args, mode))
+    cpu = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+    cpu["client"] = time.process_time() - client_before
+    n = max(1, len(done))
+    per_request = {k: v / n * 1e6 for k, v in cpu.items() if not k.startswith("engine ")}
+    per_request["engines"] = sum(v for k, v in cpu.items() if k.startswith("engine ")) / n * 1e6
+    window = [(s, e) for s, e in done if args.warmup_s <= e <= args.duration_s]
+    latencies = sorted((e - s) * 1000 for s, e in window if s >= args.warmup_s)
+    return RunResult(
+        mode=mode,
+        concurrency=c,
+        delay_s=delay_s,
+        throughput=len(window) / (args.duration_s - args.warmup_s),
+        p50_ms=pct(latencies, 0.50),
+        p99_ms=pct(latencies, 0.99),
+        max_ms=latencies[-1] if latencies else float("nan"),
+        errors=errors,
+        cpu_us=per_request,
+    )
+
+
+def summarize(results: list[RunResult], c: int) -> dict[str, float]:
+    by = {m: [r for r in results if r.mode == m and r.concurrency == c] for m in ("direct", "bare", "router")}
+
+    def mean(mode: str, key: str) -> float:
+        return statistics.mean(getattr(r, key) for r in by[mode])
+
+    def cpu(mode: str, key: str) -> float:
+        return statistics.mean(r.cpu_us.get(key, 0.0) for r in by[mode])
+
+    delay = by["direct"][0].delay_s
+    out = {
+        "concurrency": c,
+        "delay_s": delay,
+        "offered_rps": c / delay,
+        "direct_rps": mean("direct", "throughput"),
+        "router_rps": mean("router", "throughput"),
+        "throughput_ratio": mean("router", "throughput") / mean("direct", "throughput"),
+        "p50_overhead_ms": mean("router", "p50_ms") - mean("direct", "p50_ms"),
+        "p99_overhead_ms": mean("router", "p99_ms") - mean("direct", "p99_ms"),
+        "filter_cpu_us": cpu("router", "route-filter"),
+        "vllm_router_cpu_us": cpu("router", "vllm-router"),
+        "engines_extra_cpu_us": cpu("router", "engines") - cpu("direct", "engines"),
+    }
+    if by["bare"]:  # the route filter alone: router (filter + vllm-router) vs vllm-router
+        out["filter_throughput_ratio"] = mean("router", "throughput") / mean("bare", "throughput")
+        out["filter_p50_overhead_ms"] = mean("router", "p50_ms") - mean("bare", "p50_ms")
+        out["filter_p99_overhead_ms"] = mean("router", "p99_ms") - mean("bare", "p99_ms")
+    return out
+
+
+def report(results: list[RunResult], summaries: list[dict[str, float]]) -> None:
+    runs = Table(title="runs (CPU µs per request)")
+    for col in (
+        "mode",
+        "conc.",
+        "delay s",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "err",
+        "client",
+        "engines",
+        "filter",
+        "vllm-router",
+    ):
+        runs.add_column(col, justify="right")
+    for r in results:
+        cpu = r.cpu_us
+        runs.add_row(
+            r.mode, str(r.concurrency), f"{r.delay_s:g}", f"{r.throughput:.1f}", f"{r.p50_ms:.1f}",
+            f"{r.p99_ms:.1f}", f"{r.max_ms:.1f}", str(r.errors), f"{cpu.get('client', 0):.0f}",
+            f"{cpu.get('engines', 0):.0f}", f"{cpu.get('route-filter', 0):.0f}", f"{cpu.get('vllm-router', 0):.0f}",
+        )  # fmt: skip
+    console.print(runs)
+    table = Table(title="router vs direct (goal: ratio ≥ 0.98, p99 overhead < 5 ms)")
+    for col in (
+        "conc.",
+        "offered req/s",
+        "direct req/s",
+        "router req/s",
+        "ratio",
+        "p50 +ms",
+        "p99 +ms",
+        "router CPU µs/req",
+        "goal",
+    ):
+        table.add_column(col, justify="right")
+    for s in summaries:
+        met = s["throughput_ratio"] >= 0.98 and s["p99_overhead_ms"] < 5.0
+        added = s["filter_cpu_us"] + s["vllm_router_cpu_us"] + s["engines_extra_cpu_us"]
+        saturated = (
+            " (baseline below offered: CPU-bound)" if s["direct_rps"] < 0.95 * s["offered_rps"] else ""
+        )
+        table.add_row(
+            str(int(s["concurrency"])), f"{s['offered_rps']:.0f}", f"{s['direct_rps']:.1f}", f"{s['router_rps']:.1f}",
+            f"{s['throughput_ratio']:.4f}", f"{s['p50_overhead_ms']:+.2f}", f"{s['p99_overhead_ms']:+.2f}",
+            f"{added:.0f} (filter {s['filter_cpu_us']:.0f}, vllm-router {s['vllm_router_cpu_us']:.0f})",
+            ("met" if met else "NOT met") + saturated,
+        )  # fmt: skip
+    console.print(table)
+    for s in summaries:
+        if "filter_throughput_ratio" in s:
+            console.print(
+                f"route filter alone at c={int(s['concurrency'])}: throughput x{s['filter_throughput_ratio']:.4f}, "
+                f"p50 {s['filter_p50_overhead_ms']:+.2f} ms, p99 {s['filter_p99_overhead_ms']:+.2f} ms, "
+                f"{s['filter_cpu_us']:.0f} µs CPU per request"
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[256, 2048])
+    p.add_argument(
+        "--delay-s", type=float, nargs="+", default=[1.0, 2.0], help="engine delay, per concurrency"
+    )
+    p.add_argument("--duration-s", type=float, default=20.0)
+    p.add_argument("--warmup-s", type=float, default=4.0)
+    p.add_argument("--rounds", type=int, default=1, help="direct/router pairs per concurrency")
+    p.add_argument(
+        "--policy", default="round_robin", choices=["round_robin", "power_of_two", "consistent_hash"]
+    )
+    p.add_argument("--json-out", help="write runs and summaries here")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["direct", "router"],
+        choices=["direct", "bare", "router"],
+        help="bare = vllm-router's private port, without the route filter (isolates the filter's cost)",
+    )
+    args = p.parse_args(argv)
+    delays = args.delay_s * len(args.concurrency) if len(args.delay_s) == 1 else args.delay_s
+    if len(delays) != len(args.concurrency):
+        p.error("give one --delay-s, or one per --concurrency")
+
+    logs = Path(tempfile.mkdtemp(prefix="vime-bench-router-"))
+    console.print(f"logs in {logs}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    engines = start_fake_engines(args.engines, logs, delay_s=delays[0], max_tokens_cap=16)
+    router = None
+    results: list[RunResult] = []
+    try:
+        router = start_router(logs, overrides=[f"router.policy={args.policy}"])
+        for e in engines:
+            router.register(e)
+        dp = httpx.get(f"{router.control_url}/v1/data-plane").json()
+        pids = {"route-filter": dp["filter_pid"], "vllm-router": dp["router_pid"]}
+        pids |= {f"engine {e.engine_id}": e.child.pid for e in engines}
+        targets = {
+            "direct": [e.url + "/inference/v1/generate" for e in engines],
+            "bare": [dp["router_url"] + "/inference/v1/generate"],  # vllm-router without the filter
+            "router": [router.data_url + "/inference/v1/generate"],
+        }
+        for c, delay in zip(args.concurrency, delays, strict=True):
+            for e in engines:
+                e.configure(delay_s=delay)
+            for _ in range(args.rounds):
+                for mode in args.modes:
+                    r = run_once(mode, targets[mode], c, delay, pids, args)
+                    console.print(
+                        f"{mode:>6} c={c} delay={delay:g}s: {r.throughput:.1f} req/s, p99 {r.p99_ms:.1f} ms"
+                    )
+                    results.append(r)
+    finally:
+        stop_all([*(e.child for e in engines), *([router.child] if router else [])])
+    summaries = [summarize(results, c) for c in args.concurrency]
+    report(results, summaries)
+    console.print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if args.json_out:
+        payload = {"args": vars(args), "runs": [asdict(r) for r in results], "summaries": summaries}
+        Path(args.json_out).write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
