@@ -2,16 +2,22 @@
 
 Both sides send the same prompts with the same sampling parameters (the manager's own request
 builder, seed step 19) at the same concurrency (``vllm_server_concurrency × engines``) to the
-same reference engines, alternately, several rounds. The direct side round-robins over the engine
-URLs with one pooled HTTP client and does nothing else; the manager side is a real
-``POST /v1/rollouts`` (data source, router, reward service, filter, batch building, Redis
-publish). Responses end at a random EOS on the random-init model, so throughput is compared in
-generated tokens per second.
+same engines, alternately, several rounds. The direct side round-robins over the engine URLs with
+the same HTTP client the manager uses and does nothing else; the manager side is a real
+``POST /v1/rollouts`` (data source, router service + vllm-router, reward service, batch
+building, Redis publish). Throughput is compared in generated tokens per second.
+
+Engines (``--engine``):
+- ``fake`` (default): `tests/support/fake_engine.py` processes that answer after a fixed delay
+  with a fixed number of tokens and use no CPU, like GPU engines seen from the host. What is
+  left is the manager's and router's own cost, measured without noise from CPU-bound engines.
+- ``reference``: the CPU reference engines started by the manager. On a small shared machine the
+  engines, reward service, router and manager compete for the same cores, so the figures swing.
 
 Printed: tokens/s of both per round, the ratio manager / direct of the generation phase (the
 rollout loop's own wall time) and end to end (the whole POST), and their medians. Goal ≥ 0.97.
 
-    python bench/rollout_overhead.py [--engines 2] [--prompts 16] [--n 8] [--response-len 64] [--rounds 3]
+    python bench/rollout_overhead.py [--engine fake|reference] [--engines 2] [--prompts 32] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -26,13 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 from rich.console import Console
 from rich.table import Table
 
 from vime import procs
 from vime.clients.rollout import RolloutClient
+from vime.clients.router import RouterDataClient
 from vime.config import load_config
 from vime.models.tiny import ensure_tiny_qwen3
 from vime.types import Sample
@@ -42,7 +48,9 @@ console = Console()
 TOKEN = "bench-token"
 
 
-def write_config(work: Path, args: argparse.Namespace, redis_port: int) -> tuple[Path, dict[str, Any]]:
+def write_config(
+    work: Path, args: argparse.Namespace, redis_port: int, engine_urls: list[str]
+) -> tuple[Path, dict[str, Any]]:
     base = procs.free_port()
     ports = {name: procs.free_port() for name in ("router", "router_control", "reward", "rollout")}
     cfg: dict[str, Any] = {
@@ -64,7 +72,11 @@ def write_config(work: Path, args: argparse.Namespace, redis_port: int) -> tuple
         "model": {"tiny_model_size": args.size},
         "data": {"rollout_shuffle": False},
         "reward": {"num_workers": 1},
-        "engine": {"backend": "reference", "base_port": base, "startup_timeout_s": 600},
+        "engine": (
+            {"launcher": "external", "urls": engine_urls}
+            if engine_urls
+            else {"backend": "reference", "base_port": base, "startup_timeout_s": 600}
+        ),
         "router": {"policy": "round_robin"},
         "services": {
             "host": "127.0.0.1",
@@ -81,21 +93,24 @@ def write_config(work: Path, args: argparse.Namespace, redis_port: int) -> tuple
 async def direct_round(
     urls: list[str], payloads: list[dict[str, Any]], concurrency: int
 ) -> tuple[int, float]:
-    """All payloads straight to the engines, round-robin, at most ``concurrency`` in flight."""
+    """All payloads straight to the engines, round-robin, at most ``concurrency`` in flight, with the
+    same HTTP client the manager uses towards the router."""
     sem = asyncio.Semaphore(concurrency)
-    targets = itertools.cycle(urls)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    clients = [RouterDataClient(u, timeout_s=600) for u in urls]
+    targets = itertools.cycle(clients)
 
-        async def one(payload: dict[str, Any], url: str) -> int:
-            async with sem:
-                r = await client.post(url + GENERATE_PATH, json=payload)
-                r.raise_for_status()
-                return len(r.json()["choices"][0]["token_ids"])
+    async def one(payload: dict[str, Any], client: RouterDataClient) -> int:
+        async with sem:
+            out = await client.post(GENERATE_PATH, payload)
+            return len(out["choices"][0]["token_ids"])
 
+    try:
         start = time.perf_counter()
         tokens = await asyncio.gather(*(one(p, next(targets)) for p in payloads))
         return sum(tokens), time.perf_counter() - start
+    finally:
+        for c in clients:
+            await c.aclose()
 
 
 def direct_payloads(cfg_path: Path, model_path: Path, prompts: int, n: int) -> list[dict[str, Any]]:
@@ -142,8 +157,10 @@ async def measure(
         concurrency = args.concurrency * len(engines)
         await direct_round(engines, payloads[: len(engines) * 4], concurrency)  # warm-up
         await client.rollout(10_000)
+        router = f"http://127.0.0.1:{cfg['services']['router_port']}"
         for r in range(args.rounds):
             d_tokens, d_wall = await direct_round(engines, payloads, concurrency)
+            r_tokens, r_wall = await direct_round([router], payloads, concurrency)
             start = time.perf_counter()
             job = await client.rollout(r)
             e2e = time.perf_counter() - start
@@ -151,6 +168,7 @@ async def measure(
             rows.append(
                 {
                     "direct_tps": d_tokens / d_wall,
+                    "router_tps": r_tokens / r_wall,
                     "manager_tps": m["rollout/generated_tokens"] / m["rollout/wall_s"],
                     "manager_e2e_tps": m["rollout/generated_tokens"] / e2e,
                     "direct_tokens": float(d_tokens),
@@ -158,12 +176,28 @@ async def measure(
                 }
             )
             console.print(
-                f"round {r}: direct {rows[-1]['direct_tps']:.0f} tok/s, manager {rows[-1]['manager_tps']:.0f} tok/s"
+                f"round {r}: direct {rows[-1]['direct_tps']:.0f} tok/s, router only "
+                f"{rows[-1]['router_tps']:.0f} tok/s, manager {rows[-1]['manager_tps']:.0f} tok/s"
             )
     return rows
 
 
-def start_stack(work: Path, cfg_path: Path, cfg: dict[str, Any], redis: procs.Child) -> list[procs.Child]:
+def start_fake_engines(work: Path, args: argparse.Namespace) -> tuple[list[procs.Child], list[str]]:
+    """Fake engines: a fixed delay and a fixed number of tokens per request, no CPU."""
+    script = Path(__file__).resolve().parents[1] / "tests" / "support" / "fake_engine.py"
+    children, urls = [], []
+    for k in range(args.engines):
+        port = procs.free_port()
+        argv = [sys.executable, str(script), "--port", str(port), "--engine-id", f"e{k}"]
+        argv += ["--delay-s", str(args.delay_s), "--max-tokens-cap", str(args.response_len)]
+        children.append(procs.start(f"fake{k}", argv, log_path=work / "logs" / f"fake{k}.log"))
+        urls.append(f"http://127.0.0.1:{port}")
+    for child, url in zip(children, urls, strict=True):
+        procs.wait_healthy(url, child, timeout_s=60)
+    return children, urls
+
+
+def start_stack(work: Path, cfg_path: Path, cfg: dict[str, Any]) -> list[procs.Child]:
     s = cfg["services"]
     logs = work / "logs"
     children = []
@@ -192,37 +226,54 @@ def start_stack(work: Path, cfg_path: Path, cfg: dict[str, Any], redis: procs.Ch
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["fake", "reference"], default="fake")
+    p.add_argument("--delay-s", type=float, default=2.0, help="fake engines: seconds per request")
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--response-len", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=64, help="vllm_server_concurrency (per engine)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32, help="vllm_server_concurrency (per engine)")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--size", default="micro", choices=["nano", "micro", "small"])
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vime-bench-rollout-"))
     model_path = ensure_tiny_qwen3(work / "models", args.size).resolve()
     redis_port = procs.free_port()
     redis = procs.start_redis(redis_port, work / "redis", appendonly=False)
-    cfg_path, cfg = write_config(work, args, redis_port)
     children: list[procs.Child] = []
     try:
+        urls: list[str] = []
+        if args.engine == "fake":
+            children, urls = start_fake_engines(work, args)
+        cfg_path, cfg = write_config(work, args, redis_port, urls)
         with console.status("starting reward, router, rollout manager and engines"):
-            children = start_stack(work, cfg_path, cfg, redis)
+            children += start_stack(work, cfg_path, cfg)
         rows = asyncio.run(measure(args, cfg_path, cfg, model_path))
     finally:
         for child in reversed(children):
             child.stop()
         redis.stop()
-    table = Table(
-        title=f"rollout overhead: {args.engines} reference engines ({args.size}), {args.prompts}×{args.n} samples"
+    what = (
+        f"fake engines ({args.delay_s} s/request)"
+        if args.engine == "fake"
+        else f"reference engines ({args.size})"
     )
-    for col in ("round", "direct tok/s", "manager tok/s", "ratio (generation)", "ratio (end to end)"):
+    table = Table(title=f"rollout overhead: {args.engines} {what}, {args.prompts}×{args.n} samples")
+    cols = (
+        "round",
+        "direct tok/s",
+        "router only tok/s",
+        "manager tok/s",
+        "ratio (generation)",
+        "ratio (end to end)",
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     for i, r in enumerate(rows):
         table.add_row(
             str(i),
             f"{r['direct_tps']:.0f}",
+            f"{r['router_tps']:.0f}",
             f"{r['manager_tps']:.0f}",
             f"{r['manager_tps'] / r['direct_tps']:.3f}",
             f"{r['manager_e2e_tps'] / r['direct_tps']:.3f}",
