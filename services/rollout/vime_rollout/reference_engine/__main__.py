@@ -13,6 +13,18 @@ DESCRIPTION = (
 )
 
 
+def _bytes(text: str) -> int:
+    """``4G``, ``512M``, ``1048576``: a byte count as vLLM's --kv-cache-memory-bytes takes it."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from exc
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m vime_rollout.reference_engine", description=DESCRIPTION)
     p.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (safetensors)")
@@ -25,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--prefill-token-budget", type=int, default=8192, help="padded tokens per prefill pass")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_bytes,
+        default=4 << 30,
+        help="most memory the KV cache may take (e.g. 4G); fewer sequences run at once above it",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -40,16 +58,21 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
 
-    from vime.service import serve
-
     from .app import build_app, served_model
     from .engine_core import EngineCore
     from .model_runner import ModelRunner
+    from .server import run
     from .tokenizer import load_decoder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     runner = ModelRunner(args.model, max_slots=args.max_batch, max_model_len=args.max_model_len)
+    smallest = runner.kv.projected_nbytes(1, runner.max_model_len)
+    if smallest > args.kv_cache_memory_bytes:
+        raise SystemExit(
+            f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} cannot hold one sequence of "
+            f"max_model_len={runner.max_model_len} ({smallest} bytes): raise it or lower --max-model-len"
+        )
     decode = load_decoder(args.model)
     served = served_model(args.model, args.served_model_name, runner.max_model_len, runner.vocab_size)
 
@@ -59,10 +82,11 @@ def main(argv: list[str] | None = None) -> None:
             max_batch=args.max_batch,
             seed=args.seed,
             prefill_token_budget=args.prefill_token_budget,
+            kv_cache_bytes=args.kv_cache_memory_bytes,
             decode_text=decode,
         )
 
-    serve(build_app(core, served), args.host, args.port, log_level=args.log_level)
+    run(build_app(core, served), args.host, args.port, args.log_level)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,13 @@ class EngineCore:
         max_batch: int,
         seed: int = 0,
         prefill_token_budget: int = 8192,
+        kv_cache_bytes: int | None = None,
         decode_text: Decoder | None = None,
     ) -> None:
         self.runner = runner
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
+        self.kv_cache_bytes = kv_cache_bytes
         self.decode_text = decode_text
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -141,21 +143,43 @@ class EngineCore:
     def _schedule(self) -> Step | None:
         if self.pause_state is PauseState.PAUSED_ALL or self.executor_sleeping:
             return None
-        admitted: list[Sequence] = []
-        if self.pause_state is PauseState.UNPAUSED:
-            width = 0
-            while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-                seq = self.waiting[0]
-                if seq.finished:
-                    self.waiting.popleft()
-                    continue
-                width = max(width, len(seq.tokens))
-                if admitted and width * (len(admitted) + 1) > self.prefill_token_budget:
-                    break
-                admitted.append(self.waiting.popleft())
+        admitted = self._admit() if self.pause_state is PauseState.UNPAUSED else []
         if not self.running and not admitted:
             return None
         return Step(decode=list(self.running), prefill=admitted)
+
+    def _final_len(self, seq: Sequence) -> int:
+        return min(len(seq.request.prompt) + seq.request.max_tokens, self.runner.max_model_len)
+
+    def _admit(self) -> list[Sequence]:
+        """Waiting sequences that fit: the batch limit, the prefill budget, and the KV-cache budget.
+
+        The KV budget is checked against every admitted sequence's longest possible length, so a
+        running sequence never has to be preempted for memory (vLLM's --kv-cache-memory-bytes).
+        """
+        admitted: list[Sequence] = []
+        width = 0
+        need_len = max((self._final_len(s) for s in self.running), default=0)
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            seq = self.waiting[0]
+            if seq.finished:
+                self.waiting.popleft()
+                continue
+            width = max(width, len(seq.tokens))
+            new_len = max(need_len, self._final_len(seq))
+            slots = len(self.running) + len(admitted) + 1
+            busy = bool(self.running or admitted)
+            if busy and width * (len(admitted) + 1) > self.prefill_token_budget:
+                break
+            if (
+                busy
+                and self.kv_cache_bytes
+                and self.runner.kv.projected_nbytes(slots, new_len) > self.kv_cache_bytes
+            ):
+                break
+            need_len = new_len
+            admitted.append(self.waiting.popleft())
+        return admitted
 
     async def _execute(self, step: Step) -> None:
         eos = self.runner.eos_ids

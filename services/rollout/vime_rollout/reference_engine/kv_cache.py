@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import torch
 
+SLOT_FLOOR = 4
+LENGTH_FLOOR = 16
 
-def _grow(current: int, needed: int, limit: int) -> int:
-    size = max(current, 16)
+
+def _grow(current: int, needed: int, limit: int, floor: int) -> int:
+    size = max(current, min(floor, limit))
     while size < needed:
         size *= 2
     return min(max(size, needed), max(limit, needed))
@@ -64,12 +67,24 @@ class SlotKVCache:
         """Bytes held by the cache tensors."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one token position of one slot takes across all layers (keys and values)."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * element
+
+    def projected_nbytes(self, slots: int, length: int) -> int:
+        """What the cache would hold after ``ensure(slots, length)``."""
+        new_slots = _grow(self.slots, slots, self.max_slots, SLOT_FLOOR)
+        new_len = _grow(self.capacity, length, self.max_len, LENGTH_FLOOR)
+        return new_slots * new_len * self.bytes_per_position
+
     def ensure(self, slots: int, length: int) -> None:
         """Grow (never shrink) so that ``slots`` rows of ``length`` positions fit."""
         if slots <= self.slots and length <= self.capacity:
             return
-        new_slots = _grow(self.slots, slots, self.max_slots)
-        new_len = _grow(self.capacity, length, self.max_len)
+        new_slots = _grow(self.slots, slots, self.max_slots, SLOT_FLOOR)
+        new_len = _grow(self.capacity, length, self.max_len, LENGTH_FLOOR)
         shape = (new_slots, self.kv_heads, new_len, self.head_dim)
         old_slots, old_len = self.slots, self.capacity
         for store in (self.keys, self.values):
