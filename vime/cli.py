@@ -1,36 +1,143 @@
-"""The `vime` command line (also `python -m vime`)."""
+"""The `vime` command line (also `python -m vime`).
+
+``vime train`` is the main job: start the services, run GRPO, show progress, print a summary.
+``vime up`` starts the same stack and keeps it running; ``vime status`` and ``vime rollout`` talk
+to a running stack. With no ``--config``, ``up``/``train`` use this host's embedded default
+(``examples/cpu.yaml`` without a GPU) and ``status``/``rollout`` the newest stack's resolved
+config (``runs/latest/config.yaml``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from vime.config import ConfigError, load_config
+from vime.config import ConfigError, RunConfig, load_config
 
 app = typer.Typer(help="vime: RL post-training (GRPO) built as services.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the run configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
 err = Console(stderr=True)
+out = Console()
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run config.")]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Override: key=value (dotted for sections).")
 ]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every service log line.")]
+
+
+def _load(config: Path | None, set_: list[str] | None) -> RunConfig:
+    try:
+        return load_config(config, set_ or [])
+    except ConfigError as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def _launch_config(config: Path | None, set_: list[str] | None) -> RunConfig:
+    """``--config``, else this host's embedded default (examples/cpu.yaml without a GPU)."""
+    if config is None:
+        from vime.launch.defaults import default_config_path
+
+        try:
+            config = default_config_path()
+        except FileNotFoundError as exc:
+            err.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        err.print(f"[dim]config: {config} (this host's default; --config FILE to choose)[/]", highlight=False)
+    return _load(config, set_)
+
+
+def _client_config(config: Path | None, set_: list[str] | None) -> RunConfig:
+    """``--config``, else the newest stack's resolved config, else the defaults."""
+    if config is None:
+        from vime.launch.stack import latest_config
+
+        config = latest_config(_load(None, set_).output_dir)
+    return _load(config, set_)
 
 
 @config_app.command("show")
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved config, derived values included, as JSON."""
+    typer.echo(_load(config, set_).to_json())
+
+
+@app.command()
+def up(config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False) -> None:
+    """Start Redis, router, reward, rollout manager (with its engines) and trainer; Ctrl-C stops all."""
+    from vime.launch.stack import plan_stack
+    from vime.launch.up import run_up
+
+    raise typer.Exit(run_up(plan_stack(_launch_config(config, set_)), out, verbose=verbose))
+
+
+@app.command()
+def train(config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False) -> None:
+    """Start the stack, run GRPO to num_rollout with live progress, print a summary, stop the stack."""
+    from vime.launch.stack import plan_stack
+    from vime.launch.train import run_train
+
+    raise typer.Exit(run_train(plan_stack(_launch_config(config, set_)), out, verbose=verbose))
+
+
+@app.command()
+def status(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Health of each service, the engines and the current run (exit 1 if anything is down)."""
+    from vime.launch.status import gather, render
+
+    st = gather(_client_config(config, set_))
+    if as_json:
+        typer.echo(json.dumps(st.as_dict(), indent=2))
+    else:
+        render(st, out)
+    raise typer.Exit(0 if st.healthy else 1)
+
+
+@app.command()
+def rollout(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    rollout_id: Annotated[
+        int, typer.Option("--rollout-id", min=0, help="Rollout number (names the batch).")
+    ] = 0,
+    output: Annotated[Path | None, typer.Option("--out", "-o", help="Write all samples as JSONL.")] = None,
+    show: Annotated[int, typer.Option("--show", min=0, help="Samples printed.")] = 8,
+) -> None:
+    """One rollout against a running `vime up`: metrics, then samples printed or saved as JSONL."""
+    from vime.clients.base import ServiceCallError, ServiceUnreachable
+    from vime.launch.rollout import RolloutCommandError, decode_texts, one_rollout, write_jsonl
+
+    cfg = _client_config(config, set_)
     try:
-        cfg = load_config(config, set_ or [])
-    except ConfigError as exc:
-        err.print(f"[red]{exc}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
-    typer.echo(cfg.to_json())
+        job, samples = asyncio.run(one_rollout(cfg, rollout_id))
+    except (ServiceCallError, ServiceUnreachable, RolloutCommandError) as exc:
+        err.print(f"[red]rollout failed: {escape(str(exc))}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
+    decode_texts(cfg, samples)
+    metrics = "  ".join(f"{k.removeprefix('rollout/')}={v:.4g}" for k, v in sorted(job.metrics.items()))
+    err.print(f"rollout {job.rollout_id}: batch {job.batch_id}, {job.num_samples} samples\n{metrics}")
+    if output is not None:
+        write_jsonl(samples, output)
+        err.print(f"samples written to {output}")
+    for s in samples[:show]:
+        out.print(
+            f"[dim]g{s['group_index']}/{s['index']} reward {s['reward']:.2f} {s['status']}[/] "
+            f"{escape(repr(s['prompt']))} → {escape(repr(s['response']))}",
+            highlight=False,
+        )
 
 
 def main() -> None:

@@ -1,0 +1,125 @@
+"""The live view of a training run: a progress bar over rollouts with the current phase, and one
+line per finished step — reward, response length and ``T_step`` split by phase (seed §1).
+
+Fed with the trainer's `RunStatus` and `RunEvent`s as they are polled; holds no state the
+trainer does not report, so it can be re-attached to a running run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from vime.wire.trainer import STEP_PHASES, RunEvent, RunStatus, StepRecord
+
+PHASE_LABELS = {
+    "rollout": "rollout",
+    "offload": "offload",
+    "train": "train",
+    "onload_weights": "onload_w",
+    "weight_sync": "sync",
+    "onload_kv": "onload_kv",
+}
+REWARD_KEYS = ("rollout/reward_mean", "reward_mean", "train/reward_mean")
+REWARD_STD_KEYS = ("rollout/reward_std", "reward_std")
+LENGTH_KEYS = ("rollout/response_len_mean", "response_len_mean", "rollout/response_length_mean")
+WARMUP_PREFIXES = ("sft", "warmup")
+"""Run events shown even when not verbose: the supervised warm-up before RL."""
+
+
+def metric(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    """The first of ``keys`` present in ``metrics``."""
+    for key in keys:
+        value = metrics.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+def eval_rewards(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """``eval/<name>/reward_mean`` values by dataset name."""
+    return {
+        k.split("/")[1]: float(v)
+        for k, v in metrics.items()
+        if k.startswith("eval/") and k.endswith("/reward_mean") and isinstance(v, int | float)
+    }
+
+
+def step_line(step: StepRecord) -> str:
+    """One finished step, as printed above the progress bar."""
+    m = step.metrics
+    reward, std, length = metric(m, REWARD_KEYS), metric(m, REWARD_STD_KEYS), metric(m, LENGTH_KEYS)
+    parts = [f"[bold]step {step.rollout_id:>3}[/]"]
+    if reward is not None:
+        parts.append(f"reward [bold]{reward:.3f}[/]" + (f" ± {std:.3f}" if std is not None else ""))
+    if length is not None:
+        parts.append(f"len {length:.1f}")
+    t = step.timings
+    phases = "  ".join(f"{PHASE_LABELS[p]} {getattr(t, f'{p}_s'):.1f}s" for p in STEP_PHASES)
+    parts.append(f"T_step {t.step_s:.1f}s [dim]= {phases}[/]")
+    evals = eval_rewards(m)
+    if evals:
+        parts.append("eval " + " ".join(f"{n} {v:.3f}" for n, v in evals.items()))
+    return "  ".join(parts)
+
+
+class TrainProgress:
+    """A rich progress bar over the run's rollouts, plus step and event lines above it."""
+
+    def __init__(self, console: Console, num_rollout: int, *, verbose: bool = False) -> None:
+        self.console = console
+        self.verbose = verbose
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = self.progress.add_task("starting", total=num_rollout)
+        self.printed_steps: set[int] = set()
+        self.last_seq = -1
+
+    def __enter__(self) -> TrainProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(text, highlight=False)
+
+    def update(self, status: RunStatus, events: list[RunEvent]) -> None:
+        for event in events:
+            if event.seq <= self.last_seq:
+                continue  # `since` may repeat the last one
+            self.last_seq = event.seq
+            if self.verbose or event.action.startswith(WARMUP_PREFIXES):
+                detail = " ".join(f"{k}={v}" for k, v in event.detail.items())
+                self.note(f"[dim]{event.t:7.1f}s {event.action} {detail}[/]")
+        step = status.last_step
+        if step is not None and step.rollout_id not in self.printed_steps:
+            self.printed_steps.add(step.rollout_id)
+            self.note(step_line(step))
+        reward = metric(step.metrics, REWARD_KEYS) if step else None
+        trend = f" · reward {reward:.3f}" if reward is not None else ""
+        at = f"rollout {status.rollout_id}" if status.rollout_id is not None else "run"
+        self.progress.update(
+            self.task,
+            completed=status.steps_done,
+            total=status.num_rollout,
+            description=f"{at} · {status.phase.value}{trend}",
+        )

@@ -1,0 +1,189 @@
+"""Starting, watching and stopping the stack's processes.
+
+Start: refuse busy ports, write the resolved config, mark this process (`orphans`), start Redis,
+then each service as soon as the ones it needs are healthy, all health checks polled together.
+Watch: a child that exits is a failure of the whole stack. Stop: services in reverse start order,
+each SIGTERM to its process group then SIGKILL after a grace period (at once on a second
+Ctrl-C), then every process still carrying the launch marker, then check the ports are free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from rich.console import Console
+
+from vime import procs
+from vime.launch.logs import LogFollower, colour_of
+from vime.launch.orphans import kill_marked, mark_this_process
+from vime.launch.signals import SignalLatch
+from vime.launch.stack import ServiceSpec, StackPlan, busy_ports, write_config
+
+STOP_GRACE_S = {"trainer": 60.0, "rollout": 45.0}
+"""Seconds a service gets to stop after SIGTERM (the trainer may finish a checkpoint, the
+rollout manager stops its engines); others get DEFAULT_GRACE_S."""
+DEFAULT_GRACE_S = 10.0
+
+
+class StackError(RuntimeError):
+    """The stack could not start or a child failed; the message says which and shows its log."""
+
+
+class StackInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM arrived while starting."""
+
+
+@dataclass
+class _Pending:
+    spec: ServiceSpec
+    child: procs.Child | None
+    started: float
+    deadline: float
+
+
+@dataclass
+class Supervisor:
+    """The processes of one `StackPlan`."""
+
+    plan: StackPlan
+    console: Console
+    latch: SignalLatch
+    verbose: bool = False
+    children: list[procs.Child] = field(default_factory=list)
+    launch_id: str | None = None
+    follower: LogFollower | None = None
+
+    # --- start -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start everything and return once every service answers /health."""
+        busy = busy_ports(self.plan)
+        if busy:
+            raise StackError(
+                "; ".join(busy) + ": another `vime up` may be running (stop it, or give this stack other "
+                "ports with --set services.<name>_port=... / engine.base_port=...)"
+            )
+        write_config(self.plan)
+        self.launch_id = mark_this_process()
+        self.follower = LogFollower([self.plan.log_dir, self.plan.redis_dir], self.console, self.verbose)
+        self.follower.start()
+        if self.plan.redis_port is not None:
+            self._start_redis(self.plan.redis_port)
+        self._start_services()
+
+    def _start_redis(self, port: int) -> None:
+        t0 = time.monotonic()
+        try:
+            child = procs.start_redis(port, self.plan.redis_dir, host=self.plan.cfg.services.host)
+        except procs.StartupError as exc:
+            raise StackError(str(exc)) from None
+        self.children.append(child)
+        self._ready("redis", f"{self.plan.cfg.services.redis_url}", time.monotonic() - t0)
+
+    def _start_services(self) -> None:
+        remaining = list(self.plan.services)
+        healthy: set[str] = set()
+        pending: dict[str, _Pending] = {}
+        env = {"VIME_API_TOKEN": token} if (token := self.plan.cfg.services.token()) else {}
+        with httpx.Client(timeout=2.0) as http:
+            while remaining or pending:
+                if self.latch.fired:
+                    raise StackInterrupted("interrupted while starting")
+                for spec in [s for s in remaining if all(d in healthy for d in s.after)]:
+                    remaining.remove(spec)
+                    pending[spec.name] = self._launch(spec, env)
+                for name, p in list(pending.items()):
+                    if self._check_pending(http, p):
+                        healthy.add(name)
+                        del pending[name]
+                        self._ready(name, p.spec.url, time.monotonic() - p.started, p.spec.external)
+                self.latch.wait(0.2)
+
+    def _launch(self, spec: ServiceSpec, env: dict[str, str]) -> _Pending:
+        now = time.monotonic()
+        child = None
+        if not spec.external:
+            child = procs.start(
+                spec.name, spec.argv, log_path=self.plan.log_dir / f"{spec.name}.log", env=env
+            )
+            self.children.append(child)
+        return _Pending(spec, child, now, now + spec.timeout_s)
+
+    def _check_pending(self, http: httpx.Client, p: _Pending) -> bool:
+        """True once healthy; raises when the child died or the deadline passed."""
+        if p.child is not None and not p.child.alive():
+            raise StackError(self.death_message(p.child, "before it was healthy"))
+        try:
+            if http.get(p.spec.url + "/health").status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > p.deadline:
+            tail = f"\n{p.child.log_tail()}" if p.child is not None else ""
+            raise StackError(f"{p.spec.name} not healthy at {p.spec.url} after {p.spec.timeout_s:.0f}s{tail}")
+        return False
+
+    def _ready(self, name: str, url: str, seconds: float, external: bool = False) -> None:
+        how = "found running" if external else f"ready in {seconds:.1f}s"
+        self.console.print(f"[green]✓[/] [{colour_of(name)}]{name:<8}[/] {url}  [dim]{how}[/]")
+
+    # --- watch -------------------------------------------------------------------------------
+    def dead_child(self) -> procs.Child | None:
+        """The first child that has exited, if any."""
+        return next((c for c in self.children if not c.alive()), None)
+
+    def death_message(self, child: procs.Child, when: str = "") -> str:
+        where = f" ({child.log_path})" if child.log_path else ""
+        return (
+            f"{child.name} exited with code {child.popen.returncode} {when}".rstrip()
+            + f"; last lines of its log{where}:\n{child.log_tail(30)}"
+        )
+
+    # --- stop --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every child in reverse start order, sweep leftovers, report ports still held."""
+        for child in reversed(self.children):
+            self._stop_child(child, STOP_GRACE_S.get(child.name, DEFAULT_GRACE_S))
+        if self.launch_id is not None:
+            leftovers = kill_marked(self.launch_id)
+            if leftovers:
+                listing = ", ".join(f"{pid} {cmd[:60]}" for pid, cmd in leftovers.items())
+                self.console.print(f"[yellow]killed {len(leftovers)} leftover process(es): {listing}[/]")
+        if self.follower is not None:
+            self.follower.stop()
+        self._report_held_ports()
+
+    def _stop_child(self, child: procs.Child, grace_s: float) -> None:
+        if child.alive():
+            t0 = time.monotonic()
+            _signal_group(child.pid, signal.SIGTERM)
+            deadline = t0 + grace_s
+            while child.alive() and time.monotonic() < deadline and not self.latch.hurry:
+                time.sleep(0.05)
+            how = f"stopped in {time.monotonic() - t0:.1f}s"
+            if child.alive():
+                how = "killed"
+            _signal_group(child.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                child.popen.wait(5)
+            self.console.print(f"[dim]■ {child.name:<8} {how}[/]")
+        else:
+            _signal_group(child.pid, signal.SIGKILL)  # whatever it left in its group
+
+    def _report_held_ports(self) -> None:
+        deadline = time.monotonic() + 3
+        held = busy_ports(self.plan)
+        while held and time.monotonic() < deadline:
+            time.sleep(0.1)
+            held = busy_ports(self.plan)
+        for complaint in held:
+            self.console.print(f"[yellow]after stopping: {complaint}[/]")
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

@@ -1,0 +1,52 @@
+"""``vime up``: start the stack, keep it running until Ctrl-C / SIGTERM / a child's failure."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from vime.launch.signals import SignalLatch, latched_signals
+from vime.launch.stack import StackPlan
+from vime.launch.supervisor import StackError, StackInterrupted, Supervisor
+
+EXIT_FAILED = 1
+
+
+def print_banner(plan: StackPlan, console: Console) -> None:
+    """Where everything is, once the stack is healthy."""
+    s = plan.cfg.services
+    console.print(
+        f"[bold green]stack {plan.run_id} is up[/]  router {s.url('router')}  rollout {s.url('rollout')}  "
+        f"trainer {s.url('trainer')}\n"
+        f"  logs   {plan.log_dir}/\n"
+        f"  config {plan.config_path}  (vime status -c {plan.config_path})",
+        highlight=False,
+    )
+
+
+def watch(sup: Supervisor, latch: SignalLatch) -> int:
+    """Block until a signal (128 + signum) or a child's death (1, with its log tail printed)."""
+    while not latch.wait(0.5):
+        dead = sup.dead_child()
+        if dead is not None:
+            sup.console.print(f"[red]✗ {sup.death_message(dead)}[/]", highlight=False)
+            return EXIT_FAILED
+    return latch.exit_code()
+
+
+def run_up(plan: StackPlan, console: Console, *, verbose: bool = False) -> int:
+    """The whole ``vime up``; returns the process exit code."""
+    with latched_signals() as latch:
+        sup = Supervisor(plan, console, latch, verbose)
+        try:
+            sup.start()
+            print_banner(plan, console)
+            console.print("[dim]Ctrl-C stops everything[/]")
+            code = watch(sup, latch)
+        except StackInterrupted:
+            code = latch.exit_code()
+        except StackError as exc:
+            console.print(f"[red]✗ {exc}[/]", highlight=False)
+            code = EXIT_FAILED
+        finally:
+            sup.stop()
+        return code
