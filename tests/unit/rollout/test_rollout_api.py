@@ -172,6 +172,9 @@ def test_eval_metrics(client: Any) -> None:
     m = r.json()["metrics"]
     assert m["eval/held/num_prompts"] == 3.0 and m["eval/held/num_samples"] == 3.0
     assert "eval/held/pass@1" in m and r.json()["batch_id"] is None
+    prom = c.get("/metrics").text
+    assert 'vime_rollouts_total{kind="eval",state="ok"} 1.0' in prom
+    assert 'vime_rollout_engines{status="ready"} 2.0' in prom and "vime_rollout_weight_version 0.0" in prom
 
 
 def test_weight_bookkeeping_routes(client: Any) -> None:

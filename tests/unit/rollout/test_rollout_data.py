@@ -151,3 +151,45 @@ def test_synthetic_task_is_deterministic_and_labelled() -> None:
     for r in a:
         x, y = r["prompt"].rstrip("=").split("+")
         assert r["label"] == int(x) + int(y) and r["metadata"] == {"rm_type": "arithmetic"}
+
+
+def test_without_a_data_file_the_synthetic_task_and_a_held_out_eval_are_used(tokenizer: Any) -> None:
+    from vime_rollout.factory import build_datasets
+    from vime_rollout.scorer import reward_request
+
+    from vime.config import load_config
+
+    cfg = load_config(overrides=["data.synthetic_num_prompts=50", "rollout_seed=3"])
+    train, evals = build_datasets(cfg, tokenizer)
+    assert train.name == "arithmetic" and len(train) == 50
+    assert list(evals) == ["arithmetic"] and len(evals["arithmetic"]) == 64
+    train_prompts = {p.prompt for p in train.prompts}
+    assert train_prompts != {p.prompt for p in evals["arithmetic"].prompts}
+    sample = DataSource(train, 2).get_samples(1)[0][0]
+    req = reward_request(sample)
+    # No custom function configured: the reward service picks the verifier from metadata.rm_type.
+    assert req.metadata["rm_type"] == "arithmetic" and req.label == int(
+        sample.prompt[:-1].split("+")[0]
+    ) + int(sample.prompt[:-1].split("+")[1])
+
+
+def test_a_data_file_replaces_the_synthetic_task(tokenizer: Any, tmp_path: Path) -> None:
+    from vime_rollout.factory import build_datasets
+
+    from vime.config import load_config
+
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"question": "q" * n, "answer": n} for n in (1, 2, 99)])
+    ev = _write_jsonl(tmp_path / "e.jsonl", [{"question": "e", "answer": 0}])
+    cfg = load_config(
+        overrides=[
+            f"data.prompt_data={data}",
+            "data.input_key=question",
+            "data.label_key=answer",
+            f"data.eval_prompt_data={{gsm: {ev}}}",
+            "rollout_max_prompt_len=10",
+            "rollout_max_response_len=10",
+        ]
+    )
+    train, evals = build_datasets(cfg, tokenizer)
+    assert [p.label for p in train.prompts] == [1, 2] and train.num_dropped_too_long == 1
+    assert list(evals) == ["gsm"] and evals["gsm"].prompts[0].label == 0

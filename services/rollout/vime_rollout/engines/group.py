@@ -23,6 +23,8 @@ from vime_rollout.engines.spec import EngineSpec
 log = logging.getLogger("vime.rollout.engines")
 
 ALL_TAGS = ("weights", "kv_cache")
+ABORT_TIMEOUT_S = 10.0
+"""A hung engine must not hold up the end of a rollout; the loop keeps re-sending aborts anyway."""
 
 
 class RouterRegistry(Protocol):
@@ -160,7 +162,9 @@ class EngineGroup:
 
     async def abort_all(self) -> None:
         """Abort every request on every serving engine (seed step 28)."""
-        await self._fan_out(self.serving(), lambda rec: rec.control.abort_requests(None))
+        await self._fan_out(
+            self.serving(), lambda rec: asyncio.wait_for(rec.control.abort_requests(None), ABORT_TIMEOUT_S)
+        )
 
     @property
     def asleep(self) -> bool:
