@@ -176,6 +176,10 @@ async def test_chunked_request_bodies_are_reframed_intact(gate: tuple[Gate, int]
             b"400",
         ),
         (b"POST /inference/v1/generate HTTP/1.1\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", b"431"),
+        (  # broken while its body was being forwarded: answered at once, not left hanging
+            b"POST /inference/v1/generate HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n4\r\nabcd\r\nzz\r\n",
+            b"400",
+        ),
     ],
 )
 async def test_malformed_or_ambiguous_requests_are_refused(

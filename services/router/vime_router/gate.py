@@ -114,6 +114,8 @@ class ClientConnection(asyncio.Protocol):
         self._chunked = False
         self._keep_alive = True
         self._body_bytes = 0
+        self._out: list[bytes] = []
+        self._new_request = False
 
     # --- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -126,10 +128,14 @@ class ClientConnection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.refuse(400, "protocol upgrades are not served here")
         except httptools.HttpParserError as exc:
-            self.refuse(400, f"malformed HTTP request: {exc}")
+            if self._forwarding:  # broken in the middle of a forwarded body: abandon that request
+                self._drop_upstream()
+            upgrade = isinstance(exc, httptools.HttpParserUpgrade)
+            self.refuse(
+                400, "protocol upgrades are not served here" if upgrade else f"malformed HTTP request: {exc}"
+            )
+        self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gate.stats.connections.discard(self)
@@ -215,6 +221,8 @@ class ClientConnection(asyncio.Protocol):
         """Abandon the upstream connection and everything owed on it."""
         upstream, self.upstream = self.upstream, None
         self.connecting = None
+        self._out.clear()
+        self._new_request = False
         self.outstanding = 0
         self._forwarding = False
         if upstream is not None and upstream.transport is not None:
@@ -241,12 +249,22 @@ class ClientConnection(asyncio.Protocol):
         return b"".join(lines)
 
     def send_upstream(self, data: bytes, head: bool = False) -> None:
+        """Queue bytes for vllm-router; `_flush` sends what one read produced in one write."""
+        self._out.append(data)
+        self._new_request = self._new_request or head
+
+    def _flush(self) -> None:
+        if not self._out:
+            return
+        data = b"".join(self._out)
+        self._out.clear()
+        new_request, self._new_request = self._new_request, False
         upstream = self.upstream
         if upstream is not None and upstream.transport is not None:
             upstream.transport.write(data)
         elif self.connecting is not None:
             self.connecting.append(data)
-        elif head:  # a new request on a connection whose upstream side had gone idle and closed
+        elif new_request:  # first request, or the upstream side had gone idle and closed
             self.connecting = [data]
             asyncio.get_running_loop().create_task(self._connect())
 
