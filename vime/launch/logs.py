@@ -25,6 +25,13 @@ COLOURS = {
     "trainer": "yellow",
 }
 ENGINE_COLOUR = "blue"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+IGNORED = re.compile(
+    r"Memory overcommit must be enabled"  # redis-server in containers
+    r"|SIGTERM handler is not set because current thread is not the main thread"  # Ray in a thread
+    r"|Token authentication is enabled for this Ray cluster"
+)
+"""Known-harmless warnings kept out of the console (still in the log files)."""
 NOTABLE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL|Traceback|[A-Za-z]*Error|[A-Za-z]*Exception)\b")
 
 
@@ -49,6 +56,8 @@ class LineFilter:
     def keep(self, state: _Followed, line: str) -> bool:
         if self.verbose:
             return True
+        if IGNORED.search(line):
+            return False
         if state.in_traceback:
             # A traceback ends with its first unindented line after the header (the exception).
             if line and not line[0].isspace():
@@ -114,4 +123,4 @@ class LogFollower:
         state.offset += len(data)
         text = state.partial + data.decode(errors="replace")
         *lines, state.partial = text.split("\n")
-        return [ln.rstrip("\r") for ln in lines]
+        return [ANSI.sub("", ln).rstrip("\r") for ln in lines]

@@ -100,7 +100,7 @@ class TrainProgress:
         self.progress.stop()
 
     def note(self, text: str) -> None:
-        self.progress.console.print(text, highlight=False)
+        self.progress.console.print(text, highlight=False, soft_wrap=True)
 
     def update(self, status: RunStatus, events: list[RunEvent]) -> None:
         for event in events:

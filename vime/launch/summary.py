@@ -1,7 +1,7 @@
 """The summary printed when ``vime train`` ends: did the reward rise, how long did a step take,
 and where the records are (``metrics.jsonl``, ``report.png``, logs).
 
-Computed from the run's ``metrics.jsonl`` (one finished step per line, written by the trainer),
+Computed from the run's ``metrics.jsonl`` (one flat line per finished step, written by the trainer),
 so it shows every step even if the live view missed one between two polls.
 """
 
@@ -28,25 +28,21 @@ class StepRow:
 
 
 def read_steps(path: Path) -> list[StepRow]:
-    """Steps of a metrics.jsonl (`StepRecord` lines; flat metric lines are accepted too)."""
-    rows: list[StepRow] = []
-    if not path.is_file():
-        return rows
-    for n, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
+    """Steps of the trainer's metrics.jsonl: flat lines with ``rollout_id``, ``perf/T_<phase>``
+    seconds and the rollout's and trainer's metrics (``rollout/reward_mean``, ...). A rollout id
+    seen twice (a resumed run) keeps its newest line; a torn last line is skipped."""
+    by_rollout: dict[int, StepRow] = {}
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
-            continue  # a torn last line while the trainer writes
-        if not isinstance(rec, dict):
             continue
-        nested, timed = rec.get("metrics"), rec.get("timings")
-        metrics: dict[str, Any] = nested if isinstance(nested, dict) else rec
-        timings: dict[str, float] = timed if isinstance(timed, dict) else {}
-        rid = rec.get("rollout_id", rec.get("step", n))
-        rows.append(StepRow(int(rid) if isinstance(rid, int | float) else n, metrics, timings))
-    return rows
+        if not isinstance(rec, dict) or not isinstance(rec.get("rollout_id"), int):
+            continue
+        timings = {f"{p}_s": float(rec.get(f"perf/T_{p}", 0.0)) for p in (*STEP_PHASES, "step")}
+        by_rollout[rec["rollout_id"]] = StepRow(rec["rollout_id"], rec, timings)
+    return [by_rollout[k] for k in sorted(by_rollout)]
 
 
 @dataclass
@@ -119,7 +115,7 @@ def print_summary(status: RunStatus | None, run_dir: Path, console: Console) -> 
             f"reward {_fmt(s.reward_start)} → {_fmt(s.reward_end)} ([{colour}]{s.reward_gain:+.3f}[/])"
         )
     phases = "  ".join(f"{p} {s.step_s[p]:.1f}s" for p in STEP_PHASES)
-    console.print(f"mean T_step {s.step_s['step']:.1f}s = {phases}", highlight=False)
+    console.print(f"mean T_step {s.step_s['step']:.1f}s = {phases}", highlight=False, soft_wrap=True)
     if status is not None and status.error:
         console.print(f"[red]error: {status.error}[/]", highlight=False)
     for name in ("metrics.jsonl", "report.png"):

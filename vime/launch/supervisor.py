@@ -96,6 +96,9 @@ class Supervisor:
                 for spec in [s for s in remaining if all(d in healthy for d in s.after)]:
                     remaining.remove(spec)
                     pending[spec.name] = self._launch(spec, env)
+                dead = self.dead_child()
+                if dead is not None:  # pending or already healthy: either way the stack is broken
+                    raise StackError(self.death_message(dead, "while the stack was starting"))
                 for name, p in list(pending.items()):
                     if self._check_pending(http, p):
                         healthy.add(name)
@@ -115,8 +118,6 @@ class Supervisor:
 
     def _check_pending(self, http: httpx.Client, p: _Pending) -> bool:
         """True once healthy; raises when the child died or the deadline passed."""
-        if p.child is not None and not p.child.alive():
-            raise StackError(self.death_message(p.child, "before it was healthy"))
         try:
             if http.get(p.spec.url + "/health").status_code == 200:
                 return True

@@ -20,6 +20,7 @@ def print_banner(plan: StackPlan, console: Console) -> None:
         f"  logs   {plan.log_dir}/\n"
         f"  config {plan.config_path}  (vime status -c {plan.config_path})",
         highlight=False,
+        soft_wrap=True,
     )
 
 
