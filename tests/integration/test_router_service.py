@@ -308,3 +308,44 @@ async def test_data_plane_processes_are_restarted_and_resynced(router: RouterPro
         assert Counter(await send_many(router, 8)) == {"e0": 2, "e1": 2, "e2": 2, "e3": 2}
     finally:
         await control.aclose()
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie nobody has reaped yet counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_data_plane_dies_with_a_killed_service(tmp_path: Path) -> None:
+    r = start_router(tmp_path)
+    dp = httpx.get(f"{r.control_url}/v1/data-plane").json()
+    pids = [dp["router_pid"], dp["filter_pid"]]
+    assert not any(_gone(p) for p in pids)
+    os.kill(r.child.pid, signal.SIGKILL)  # no chance to stop its children itself
+    wait_for(lambda: all(_gone(p) for p in pids), 10, "vllm-router and the filter exiting")
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(r.data_url + GENERATE_PATH, json={}, timeout=2)
+    r.child.stop()
+
+
+def test_unreachable_engine_registers_but_never_serves(router: RouterProcess) -> None:
+    ghost = procs.free_port()
+    body = {"url": f"http://127.0.0.1:{ghost}", "id": "ghost"}
+    r = httpx.post(f"{router.control_url}/v1/engines", json=body, headers=router.headers(), timeout=30)
+    assert r.status_code == 201
+    status = r.json()
+    assert not status["healthy"] and not status["routable"] and "/health" in status["last_error"]
+    try:
+        assert (
+            f"http://127.0.0.1:{ghost}"
+            not in httpx.get(f"{router.control_url}/v1/data-plane").json()["workers"]
+        )
+        assert "ghost" not in asyncio.run(send_many(router, 8))
+    finally:
+        assert (
+            httpx.delete(f"{router.control_url}/v1/engines/ghost", headers=router.headers()).status_code
+            == 200
+        )
