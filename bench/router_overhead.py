@@ -144,32 +144,37 @@ def run_once(
 
 
 def summarize(results: list[RunResult], c: int) -> dict[str, float]:
+    """Ratios over paired rounds (each round runs every mode back to back); medians resist noise."""
     by = {m: [r for r in results if r.mode == m and r.concurrency == c] for m in ("direct", "bare", "router")}
 
-    def mean(mode: str, key: str) -> float:
-        return statistics.mean(getattr(r, key) for r in by[mode])
+    def paired(mode: str, base: str, key: str, ratio: bool = False) -> float:
+        pairs = zip(by[mode], by[base], strict=True)
+        if ratio:
+            return statistics.median(getattr(a, key) / getattr(b, key) for a, b in pairs)
+        return statistics.median(getattr(a, key) - getattr(b, key) for a, b in pairs)
 
     def cpu(mode: str, key: str) -> float:
-        return statistics.mean(r.cpu_us.get(key, 0.0) for r in by[mode])
+        return statistics.median(r.cpu_us.get(key, 0.0) for r in by[mode])
 
     delay = by["direct"][0].delay_s
     out = {
         "concurrency": c,
         "delay_s": delay,
+        "rounds": len(by["direct"]),
         "offered_rps": c / delay,
-        "direct_rps": mean("direct", "throughput"),
-        "router_rps": mean("router", "throughput"),
-        "throughput_ratio": mean("router", "throughput") / mean("direct", "throughput"),
-        "p50_overhead_ms": mean("router", "p50_ms") - mean("direct", "p50_ms"),
-        "p99_overhead_ms": mean("router", "p99_ms") - mean("direct", "p99_ms"),
+        "direct_rps": statistics.median(r.throughput for r in by["direct"]),
+        "router_rps": statistics.median(r.throughput for r in by["router"]),
+        "throughput_ratio": paired("router", "direct", "throughput", ratio=True),
+        "p50_overhead_ms": paired("router", "direct", "p50_ms"),
+        "p99_overhead_ms": paired("router", "direct", "p99_ms"),
         "filter_cpu_us": cpu("router", "route-filter"),
         "vllm_router_cpu_us": cpu("router", "vllm-router"),
         "engines_extra_cpu_us": cpu("router", "engines") - cpu("direct", "engines"),
     }
     if by["bare"]:  # the route filter alone: router (filter + vllm-router) vs vllm-router
-        out["filter_throughput_ratio"] = mean("router", "throughput") / mean("bare", "throughput")
-        out["filter_p50_overhead_ms"] = mean("router", "p50_ms") - mean("bare", "p50_ms")
-        out["filter_p99_overhead_ms"] = mean("router", "p99_ms") - mean("bare", "p99_ms")
+        out["filter_throughput_ratio"] = paired("router", "bare", "throughput", ratio=True)
+        out["filter_p50_overhead_ms"] = paired("router", "bare", "p50_ms")
+        out["filter_p99_overhead_ms"] = paired("router", "bare", "p99_ms")
     return out
 
 
@@ -198,7 +203,9 @@ def report(results: list[RunResult], summaries: list[dict[str, float]]) -> None:
             f"{cpu.get('engines', 0):.0f}", f"{cpu.get('route-filter', 0):.0f}", f"{cpu.get('vllm-router', 0):.0f}",
         )  # fmt: skip
     console.print(runs)
-    table = Table(title="router vs direct (goal: ratio ≥ 0.98, p99 overhead < 5 ms)")
+    table = Table(
+        title="router vs direct, medians over paired rounds (goal: ratio ≥ 0.98, p99 overhead < 5 ms)"
+    )
     for col in (
         "conc.",
         "offered req/s",
