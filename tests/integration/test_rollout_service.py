@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -124,11 +126,23 @@ def _config(work: Path, redis_url: str) -> dict[str, Any]:
 
 
 def _free_pair() -> int:
-    for _ in range(50):
-        base = procs.free_port()
-        if base < 65000 and not procs.port_open("127.0.0.1", base + 1):
+    """Two consecutive free ports below the ephemeral range, where other tests' free ports (and
+    outgoing connections) do not land while the engines start."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 30000)
+        if all(_bindable(p) for p in (base, base + 1)):
             return base
     raise RuntimeError("no two consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.fixture(scope="module")
