@@ -82,12 +82,12 @@ def make_launcher(cfg: RunConfig, run_id: str, model_path: Path, log_dir: Path) 
 async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> RolloutManager:
     """Everything the rollout manager needs, engines started (and asleep when offloaded)."""
     run_id = run_id_of(cfg)
+    specs = plan_engines(cfg)  # a config that cannot place its engines fails before anything is built
     model_path = await asyncio.to_thread(resolve_model_path, cfg)
     model_name = served_model_name(cfg, model_path)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
     train, evals = await asyncio.to_thread(build_datasets, cfg, tokenizer)
     log_dir = log_dir or Path(cfg.output_dir) / run_id / "logs"
-    specs = plan_engines(cfg)
     group = EngineGroup(
         specs,
         make_launcher(cfg, run_id, model_path, log_dir),
