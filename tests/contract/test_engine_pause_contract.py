@@ -44,7 +44,7 @@ async def test_pause_abort_finishes_in_flight_requests_with_abort(
     engine: EngineClient, eut: EngineUnderTest
 ) -> None:
     in_flight = _start(engine, LONG)
-    await until_running(eut, 1, min_tokens=5)
+    await until_running(eut, 1, min_tokens=5, tasks=[in_flight])
     await engine.pause("abort")
     aborted = await asyncio.wait_for(in_flight, 60)
     assert aborted.finish_reason == "abort"
@@ -58,14 +58,14 @@ async def test_pause_abort_finishes_in_flight_requests_with_abort(
 
 
 async def test_pause_wait_lets_running_requests_finish(engine: EngineClient, eut: EngineUnderTest) -> None:
-    sp = {"max_tokens": 120, "temperature": 1.0, "seed": 2, "ignore_eos": True}
+    sp = {"max_tokens": 400, "temperature": 1.0, "seed": 2, "ignore_eos": True}
     in_flight = _start(engine, sp)
-    await until_running(eut, 1)
+    await until_running(eut, 1, tasks=[in_flight])
     await engine.pause("wait")
     if eut.profile.reference:  # the engine itself says nothing is running any more
         assert (await debug_state(eut.url))["running"] == 0
     done = await asyncio.wait_for(in_flight, 10)  # already finished: only the response is in transit
-    assert done.finish_reason == "length" and len(done.token_ids) == 120
+    assert done.finish_reason == "length" and len(done.token_ids) == 400
     arrival = await _arrival_during_pause(engine, eut)
     await engine.resume()
     if eut.profile.holds_requests_in_abort_pause:
@@ -73,17 +73,17 @@ async def test_pause_wait_lets_running_requests_finish(engine: EngineClient, eut
 
 
 async def test_pause_keep_freezes_and_resume_completes(engine: EngineClient, eut: EngineUnderTest) -> None:
-    sp = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
-    uninterrupted = await greedy(engine, PROMPT, 200)
+    sp = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    uninterrupted = await greedy(engine, PROMPT, 400)
     in_flight = _start(engine, sp)
-    await until_running(eut, 1, min_tokens=5)
+    await until_running(eut, 1, min_tokens=5, tasks=[in_flight])
     await engine.pause("keep")
     arrival = _start(engine, {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True})
     await asyncio.sleep(HELD_S)
     assert not in_flight.done() and not arrival.done(), "keep freezes running requests and holds new ones"
     await engine.resume()
     result = await asyncio.wait_for(in_flight, 120)
-    assert result.finish_reason == "length" and len(result.token_ids) == 200
+    assert result.finish_reason == "length" and len(result.token_ids) == 400
     if eut.profile.exact_numerics:  # recomputed after the pause, the greedy continuation is unchanged
         assert result.token_ids == uninterrupted
     assert len((await asyncio.wait_for(arrival, 120)).token_ids) == 3
@@ -92,13 +92,13 @@ async def test_pause_keep_freezes_and_resume_completes(engine: EngineClient, eut
 async def test_abort_requests_by_id_and_all(engine: EngineClient, eut: EngineUnderTest) -> None:
     one = _start(engine, LONG, request_id="contract-abort-one")
     other = _start(engine, LONG, request_id="contract-abort-other")
-    await until_running(eut, 2)
+    await until_running(eut, 2, tasks=[one, other])
     await engine.abort_requests([engine_request_id("contract-abort-one")])
     assert (await asyncio.wait_for(one, 60)).finish_reason == "abort"
     await asyncio.sleep(0.2)
     assert not other.done(), "aborting one request left the other running"
     third = _start(engine, LONG)
-    await until_running(eut, 2)
+    await until_running(eut, 2, tasks=[other, third])
     await engine.abort_requests()  # no ids: everything tracked
     for task in (other, third):
         assert (await asyncio.wait_for(task, 60)).finish_reason == "abort"

@@ -78,9 +78,9 @@ async def test_request_kept_across_an_update_is_recomputed_with_new_weights(
 ) -> None:
     """pause(keep) → push → resume: the request finishes; where versions are reported it has two spans."""
     await need_pusher.push(engine, {"lm_head.weight": hf.original["lm_head.weight"]}, version="contract-a")
-    sp = {"max_tokens": 300, "temperature": 1.0, "seed": 4, "ignore_eos": True, "logprobs": 0}
+    sp = {"max_tokens": 500, "temperature": 1.0, "seed": 4, "ignore_eos": True, "logprobs": 0}
     task = asyncio.create_task(engine.generate(PROMPT, sp))
-    await until_running(eut, 1, min_tokens=5)
+    await until_running(eut, 1, min_tokens=5, tasks=[task])
     await engine.pause("keep")
     try:
         await need_pusher.push(
@@ -90,11 +90,11 @@ async def test_request_kept_across_an_update_is_recomputed_with_new_weights(
         await engine.resume()
     try:
         result = await asyncio.wait_for(task, 120)
-        assert result.finish_reason == "length" and len(result.token_ids) == 300
+        assert result.finish_reason == "length" and len(result.token_ids) == 500
         if eut.profile.reports_weight_version:
             spans = result.weight_versions or []
             assert [s["version"] for s in spans] == ["contract-a", "contract-b"]
-            assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 300
+            assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 500
             # Tokens after the update are the new model's: their log-probs match HF with the new weights.
             hf.load({"lm_head.weight": -hf.original["lm_head.weight"]})
             cut = spans[1]["start"]
