@@ -2,8 +2,8 @@
 
 Layout: ``<checkpoint_dir>/rollout_<id:07d>/`` holds the sharded model and optimizer state and,
 written last by global rank 0, ``vime_state.json`` (rollout id, the next rollout id to run, the
-parallel layout, architecture and source HF checkpoint, and whatever run state the controller passed in: data-source position, weight
-version...). A directory without that file is an interrupted save and is ignored, so resuming
+parallel layout, the architecture and source HF checkpoint, and whatever run state the controller
+passed in: data-source position, weight version...). A directory without that file is an interrupted save and is ignored, so resuming
 always picks the newest *complete* checkpoint. ``dist_checkpointing`` reshards on load, so a
 checkpoint saved at TP=2 loads at TP=1 (the HF export does that).
 """

@@ -120,7 +120,7 @@ class WeightBackup:
         return dict(inner.named_parameters())
 
     def backup(self, tag: str) -> None:
-        """Copy the current parameters to CPU under ``tag`` (reusing the pinned buffers of a previous copy)."""
+        """Copy the current parameters to CPU under ``tag`` (reusing the buffers of an earlier copy)."""
         copies = self._copies.setdefault(tag, {})
         pin = torch.cuda.is_available()
         with torch.no_grad():

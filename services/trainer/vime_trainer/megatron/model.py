@@ -79,7 +79,8 @@ def transformer_config(arch: Architecture, info: RankInfo, dtype: torch.dtype) -
         pipeline_dtype=dtype,
         tensor_model_parallel_size=info.tp_size,
         pipeline_model_parallel_size=info.pp_size,
-        variable_seq_lengths=info.pp_size > 1,
+        variable_seq_lengths=info.pp_size > 1,  # micro-batches are padded to their own longest sample
+        moe_token_dispatcher_type="alltoall",  # dense model; the default refuses variable_seq_lengths
     )
 
 

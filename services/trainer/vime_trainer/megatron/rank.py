@@ -89,7 +89,7 @@ class TrainRank:
         return [lp.float().cpu().numpy() for lp in self.steps.log_probs(self.steps.micro_batches(batch))]
 
     def logits(self, tokens: np.ndarray) -> np.ndarray | None:
-        """Full-vocabulary logits ``[b, s, V]`` of a token batch (returned by the last stage's TP rank 0)."""
+        """Full-vocabulary logits ``[b, s, V]`` of a token batch (returned by the reporting rank only)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         from vime_trainer.megatron.micro_batch import MicroBatch
@@ -117,7 +117,7 @@ class TrainRank:
             return hidden.new_zeros(()), {}
 
         self.passes.forward_only([mb], loss_fn)
-        return out[0] if out and self.info.tp_rank == 0 else None
+        return out[0] if out and self.info.reports_metrics else None
 
     # --- memory (seed steps 37, 41) ---------------------------------------------------------
     def sleep(self) -> int:
@@ -131,20 +131,33 @@ class TrainRank:
     def asleep(self) -> bool:
         return self.offloader.asleep
 
+    def memory_stats(self) -> dict[str, float]:
+        """GiB in use on this rank's device (GPU: allocated/reserved/peak; CPU: process RSS)."""
+        gib = float(1 << 30)
+        if self.info.device.startswith("cuda"):
+            return {
+                "allocated_gib": torch.cuda.memory_allocated() / gib,
+                "reserved_gib": torch.cuda.memory_reserved() / gib,
+                "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib,
+            }
+        import psutil
+
+        return {"rss_gib": psutil.Process().memory_info().rss / gib}
+
     # --- checkpoints -----------------------------------------------------------------------
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
         """Distributed checkpoint of model + optimizer, and the controller's run state (collective)."""
         from vime_trainer.megatron.checkpoint import save_checkpoint
 
         self.wake_up()
-        layout = {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size}
+        meta = {
+            "layout": {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size},
+            "architecture": self.arch.to_dict(),
+            "hf_checkpoint": self.hf_checkpoint,
+            "params_dtype": str(self.dtype).removeprefix("torch."),
+        }
         path = save_checkpoint(
-            self.config.trainer.checkpoint_dir,
-            rollout_id,
-            self.passes.model,
-            self.optimizer,
-            run_state,
-            layout,
+            self.config.trainer.checkpoint_dir, rollout_id, self.passes.model, self.optimizer, run_state, meta
         )
         return str(path)
 

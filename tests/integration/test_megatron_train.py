@@ -1,0 +1,178 @@
+"""Megatron training ranks as Ray actors on CPU: HF logits, the seed's loss, layouts, KL, mismatch, SFT.
+
+Real Megatron-core (gloo, the CPU shim) in Ray actors, a real HF checkpoint from the tiny-model
+kit; references are computed independently with transformers in this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from megatron_support import (
+    SEED_ADVANTAGE,
+    hf_logits,
+    hf_reference,
+    one,
+    rollout_batch,
+    run_config,
+    split,
+    with_rollout_log_probs,
+)
+from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
+
+from vime.models.tiny import ensure_tiny_qwen3
+
+TOKENS = np.random.default_rng(7).integers(0, 128, size=(2, 21))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_qwen3(tmp_path_factory.mktemp("models"), "nano")
+
+
+@pytest.fixture(scope="module")
+def tp1(ray_cluster: None, qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ActorGroup]:
+    """One TP=1 rank shared by the tests whose checks do not depend on the current weights."""
+    group = ActorGroup(run_config(tmp_path_factory.mktemp("tp1"), trainer={"lr": 1e-2}), str(qwen3))
+    group.start()
+    yield group
+    group.shutdown()
+
+
+def test_logits_equal_hf_exactly_at_tp1(tp1: ActorGroup, qwen3: Path) -> None:
+    logits = one(tp1.call("logits", TOKENS))
+    assert logits.shape == (2, 21, 128)
+    assert np.abs(logits - hf_logits(qwen3, TOKENS)).max() == 0.0
+
+
+def test_seed_loss_at_ratio_one(tp1: ActorGroup) -> None:
+    """Seed step 40: old = current.detach(), ratio 1, per-token loss −A (∓0.9354), gradient non-zero."""
+    cfg = tp1.config
+    for rollout_id, sign in [(0, 1.0), (1, -1.0)]:
+        batch = rollout_batch(cfg, rollout_id, [sign * SEED_ADVANTAGE] * 8, seed=rollout_id)
+        (step,) = tp1.train(rollout_id, split(cfg, batch))
+        assert step["loss"] == pytest.approx(-sign * SEED_ADVANTAGE, abs=1e-6)
+        assert step["pg_loss"] == pytest.approx(-sign * SEED_ADVANTAGE, abs=1e-6)
+        assert step["ppo_kl"] == 0.0 and step["clipfrac"] == 0.0
+        assert step["tokens"] == float(batch.loss_masks.sum())
+        assert step["grad_norm"] > 0 and step["step_ok"] == 1.0
+        assert step["entropy"] > 0
+        assert "mismatch_mean_abs" not in step  # no sample carries rollout log-probs
+    mixed = rollout_batch(cfg, 2)  # the seed's group: rewards [1,0,0,1,1,0,1,0]
+    (step,) = tp1.train(2, split(cfg, mixed))
+    assert step["pg_loss"] == pytest.approx(-float(np.mean(mixed.advantages)), abs=1e-6)
+
+
+def test_mismatch_metrics_against_rollout_log_probs(tp1: ActorGroup) -> None:
+    cfg = tp1.config
+    (rb,) = split(cfg, rollout_batch(cfg, 3, seed=3))
+    lps = np.concatenate(tp1.call("log_probs", rb)[0])
+    assert lps.shape == (int(rb.response_lengths.sum()),) and (lps < 0).all()
+    shifted = lps.copy()
+    shifted[::4] -= 0.25  # a quarter of the tokens off by 0.25, the rest equal
+    (step,) = tp1.train(3, [with_rollout_log_probs(rb, shifted)])
+    counted = rb.loss_masks.astype(bool)
+    off = np.zeros_like(counted)
+    off[::4] = True
+    assert step["mismatch_tokens"] == counted.sum()
+    assert step["mismatch_frac_above"] == pytest.approx((off & counted).sum() / counted.sum(), abs=1e-6)
+    assert step["mismatch_mean_abs"] == pytest.approx(0.25 * (off & counted).sum() / counted.sum(), abs=1e-5)
+
+
+def test_sft_warmup_lowers_the_label_loss(tp1: ActorGroup) -> None:
+    cfg = tp1.config
+    rbs = split(cfg, rollout_batch(cfg, 0, [1.0] * 8, seed=11))
+    losses = [tp1.train_sft(rbs)[0]["loss"] for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[0] == pytest.approx(np.log(128), rel=0.2)  # a random model starts near uniform
+
+
+def test_bad_batches_are_refused_and_the_group_keeps_working(tp1: ActorGroup) -> None:
+    cfg = tp1.config
+    rbs = split(cfg, rollout_batch(cfg, 5, seed=5))
+    with pytest.raises(TrainerError, match="rank batches for dp_size=1"):
+        tp1.train(5, rbs + rbs)
+    with pytest.raises(TrainerError, match="rollout 5 passed to train rollout 6"):
+        tp1.train(6, rbs)
+    with pytest.raises(TrainerError, match="dp_size=2"):
+        tp1.train(5, split(cfg, rollout_batch(cfg, 5), dp_size=2)[:1])
+    assert tp1.train(5, rbs)[0]["step_ok"] == 1.0
+
+
+def test_missing_rollout_log_probs_fail_clearly(ray_cluster: None, qwen3: Path, tmp_path: Path) -> None:
+    cfg = run_config(tmp_path, use_rollout_logprobs=True)
+    group = ActorGroup(cfg, str(qwen3))
+    group.start()
+    try:
+        (rb,) = split(cfg, rollout_batch(cfg, 0))
+        with pytest.raises(TrainerError, match="without rollout log-probs"):
+            group.train(0, [rb])
+        lps = np.full(int(rb.response_lengths.sum()), -3.0, dtype=np.float32)
+        (step,) = group.train(0, [with_rollout_log_probs(rb, lps)])  # old = rollout log-probs: ratio ≠ 1
+        assert step["ppo_kl"] != 0.0 and step["step_ok"] == 1.0
+    finally:
+        group.shutdown()
+
+
+def test_recomputed_old_log_probs_and_kl_term(ray_cluster: None, qwen3: Path, tmp_path: Path) -> None:
+    """num_microbatches [2, 2], kl_coef > 0: old log-probs come from a forward before step 0 (step 38)."""
+    cfg = run_config(tmp_path, num_steps_per_rollout=2, kl_coef=0.1, trainer={"lr": 5e-2})
+    group = ActorGroup(cfg, str(qwen3))
+    group.start()
+    try:
+        rbs = split(cfg, rollout_batch(cfg, 0))
+        assert rbs[0].num_microbatches == [2, 2]
+        first, second = group.train(0, rbs)
+        assert first["ppo_kl"] == 0.0 and first["clipfrac"] == 0.0  # same weights as the old log-probs
+        assert first["kl_loss"] == 0.0  # the policy still equals the reference
+        assert second["ppo_kl"] != 0.0 and second["kl_loss"] > 0.0  # step 0 moved the policy
+        assert second["loss"] == pytest.approx(second["pg_loss"] + 0.1 * second["kl_loss"], abs=1e-6)
+        again = group.train(1, split(cfg, rollout_batch(cfg, 1)))[0]
+        assert again["kl_loss"] > 0.0 and again["ppo_kl"] == 0.0  # new rollout: old = current again
+    finally:
+        group.shutdown()
+
+
+LAYOUTS = [
+    pytest.param(1, 1, 1, id="tp1"),
+    pytest.param(2, 1, 2, id="tp2"),
+    pytest.param(1, 1, 2, id="dp2"),
+    pytest.param(1, 2, 2, id="pp2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp", "ranks"), LAYOUTS)
+def test_layouts_match_an_hf_reference(
+    ray_cluster: None, qwen3: Path, tmp_path: Path, tp: int, pp: int, ranks: int
+) -> None:
+    """TP=2, DP=2, PP=2 all train like HF + AdamW: same loss, grad norm and entropy over 2 rollouts."""
+    cfg = run_config(tmp_path, tp=tp, pp=pp, ranks=ranks, trainer={"lr": 1e-2, "clip_grad": 0.5})
+    batch = rollout_batch(cfg, 0)
+    reference = hf_reference(qwen3, batch, cfg, steps=2)
+    group = ActorGroup(cfg, str(qwen3))
+    group.start()
+    try:
+        logits = one(group.call("logits", TOKENS))
+        assert np.abs(logits - hf_logits(qwen3, TOKENS)).max() < 1e-5
+        got = [group.train(r, split(cfg, rollout_batch(cfg, r, seed=0)))[0] for r in range(2)]
+    finally:
+        group.shutdown()
+    for step, ref in zip(got, reference, strict=True):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert step[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (key, step, ref)
+    assert reference[0]["grad_norm"] > 0.5  # so clipping really happened before step 1
