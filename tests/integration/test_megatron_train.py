@@ -23,8 +23,9 @@ from megatron_support import (
     with_rollout_log_probs,
 )
 from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
+from vime_trainer.megatron.sft import sft_rank_batches
 
-from vime.models.tiny import ensure_tiny_qwen3
+from vime.models.tiny import ensure_tiny_qwen3, vocabulary
 
 TOKENS = np.random.default_rng(7).integers(0, 128, size=(2, 21))
 
@@ -93,12 +94,20 @@ def test_mismatch_metrics_against_rollout_log_probs(tp1: ActorGroup) -> None:
     assert step["mismatch_mean_abs"] == pytest.approx(0.25 * (off & counted).sum() / counted.sum(), abs=1e-5)
 
 
-def test_sft_warmup_lowers_the_label_loss(tp1: ActorGroup) -> None:
-    cfg = tp1.config
-    rbs = split(cfg, rollout_batch(cfg, 0, [1.0] * 8, seed=11))
-    losses = [tp1.train_sft(rbs)[0]["loss"] for _ in range(8)]
-    assert losses[-1] < 0.5 * losses[0], losses
+def test_sft_warmup_learns_a_toy_arithmetic_task(tp1: ActorGroup) -> None:
+    ids = {ch: i for i, ch in enumerate(vocabulary())}
+    pairs = [
+        (f"{a}+{b}=", f"{a + b}\n")
+        for a, b in [(1, 2), (3, 4), (5, 2), (6, 1), (2, 2), (7, 1), (3, 3), (4, 4)]
+    ]
+    examples = [([ids[c] for c in p], [ids[c] for c in label]) for p, label in pairs]
+    rbs = sft_rank_batches(examples, tp1.config)
+    assert int(rbs[0].loss_masks.sum()) == sum(len(label) for _, label in examples)
+    losses = [tp1.train_sft(rbs)[0]["loss"] for _ in range(10)]
     assert losses[0] == pytest.approx(np.log(128), rel=0.2)  # a random model starts near uniform
+    assert losses[-1] < 0.5 * losses[0], losses
+    with pytest.raises(ValueError, match="global_batch_size=8"):
+        sft_rank_batches(examples[:3], tp1.config)
 
 
 def test_bad_batches_are_refused_and_the_group_keeps_working(tp1: ActorGroup) -> None:
@@ -152,6 +161,7 @@ LAYOUTS = [
     pytest.param(2, 1, 2, id="tp2"),
     pytest.param(1, 1, 2, id="dp2"),
     pytest.param(1, 2, 2, id="pp2"),
+    pytest.param(2, 1, 4, id="tp2dp2"),
 ]
 
 

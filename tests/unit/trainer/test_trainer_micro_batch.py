@@ -78,3 +78,30 @@ def test_a_sample_without_prompt_is_refused() -> None:
     batch = _batch([[]], [[5, 6]], [1.0])
     with pytest.raises(ValueError, match="no prompt token"):
         make_micro_batch(batch.rows(0, 1), "cpu")
+
+
+def test_sft_examples_become_label_only_loss_batches() -> None:
+    from vime_trainer.megatron.sft import sft_rank_batches
+
+    from vime.config import load_config
+
+    cfg = load_config(
+        base={
+            "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2,
+            "micro_batch_size": 1,
+            "actor_num_gpus_per_node": 0,
+            "actor_num_cpu_ranks": 2,
+            "tensor_model_parallel_size": 1,
+            "rollout_num_gpus": 0,
+            "colocate": False,
+        },
+        environ={},
+    )
+    examples = [([1, 2, 3], [4]), ([5], [6, 7]), ([8, 9], [10]), ([11], [12, 13, 14])]
+    rbs = sft_rank_batches(examples, cfg, step=3)
+    assert [rb.dp_rank for rb in rbs] == [0, 1] and all(rb.rollout_id == 3 for rb in rbs)
+    assert sorted(int(n) for rb in rbs for n in rb.response_lengths) == [1, 1, 2, 3]
+    assert all(rb.loss_masks.all() for rb in rbs)
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        sft_rank_batches([([], [1]), *examples[1:]], cfg)

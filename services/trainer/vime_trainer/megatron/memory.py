@@ -74,9 +74,10 @@ class Offloader:
         for storage in _storages(kept):
             if storage.data_ptr() in grad_keys:
                 continue
-            backup = torch.UntypedStorage(storage.nbytes(), device="cpu")
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
+            backup = host.untyped_storage()
             backup.copy_(storage)
-            self._saved.append((storage, backup.pin_memory() if pin else backup))
+            self._saved.append((storage, backup))
             freed += storage.nbytes()
             storage.resize_(0)
         for storage in _storages(grads):

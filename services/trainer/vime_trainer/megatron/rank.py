@@ -8,7 +8,6 @@ export. Every method that involves collectives must be called on all ranks at on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -54,7 +53,7 @@ class TrainRank:
             c.tensor_model_parallel_size,
             c.pipeline_model_parallel_size,
             c.trainer.seed,
-            cpu_threads=max(1, (os.cpu_count() or 1) // self.world_size),
+            cpu_threads=1,  # CPU ranks are for tests and demos on small shared machines
         )
         model = model_lib.build_model(self.arch, c.trainer, self.info)
         model_lib.load_hf_weights(model, self.arch, self.hf_checkpoint, self.info)
