@@ -38,7 +38,14 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
 
-from tests.support.router_harness import start_fake_engines, start_router, stop_all
+from tests.support.router_harness import (
+    FakeEngineProcess,
+    RouterProcess,
+    start_fake_engines,
+    start_router,
+    stop_all,
+)
+from vime.wire.vllm import GENERATE_PATH
 
 console = Console(width=200)
 BODY = json.dumps(
@@ -178,59 +185,47 @@ def summarize(results: list[RunResult], c: int) -> dict[str, float]:
     return out
 
 
-def report(results: list[RunResult], summaries: list[dict[str, float]]) -> None:
-    runs = Table(title="runs (CPU µs per request)")
-    for col in (
-        "mode",
-        "conc.",
-        "delay s",
-        "req/s",
-        "p50 ms",
-        "p99 ms",
-        "max ms",
-        "err",
-        "client",
-        "engines",
-        "filter",
-        "vllm-router",
-    ):
-        runs.add_column(col, justify="right")
+RUN_COLUMNS = ("mode", "conc.", "delay s", "req/s", "p50 ms", "p99 ms", "max ms", "err")
+CPU_COLUMNS = ("client", "engines", "route-filter", "vllm-router")
+SUMMARY_COLUMNS = ("conc.", "offered req/s", "direct req/s", "router req/s", "ratio", "p50 +ms", "p99 +ms")
+
+
+def runs_table(results: list[RunResult]) -> Table:
+    table = Table(title="runs (CPU µs per request by process)")
+    for col in (*RUN_COLUMNS, *CPU_COLUMNS):
+        table.add_column(col, justify="right")
     for r in results:
-        cpu = r.cpu_us
-        runs.add_row(
-            r.mode, str(r.concurrency), f"{r.delay_s:g}", f"{r.throughput:.1f}", f"{r.p50_ms:.1f}",
-            f"{r.p99_ms:.1f}", f"{r.max_ms:.1f}", str(r.errors), f"{cpu.get('client', 0):.0f}",
-            f"{cpu.get('engines', 0):.0f}", f"{cpu.get('route-filter', 0):.0f}", f"{cpu.get('vllm-router', 0):.0f}",
-        )  # fmt: skip
-    console.print(runs)
+        row = [r.mode, str(r.concurrency), f"{r.delay_s:g}", f"{r.throughput:.1f}"]
+        row += [f"{v:.1f}" for v in (r.p50_ms, r.p99_ms, r.max_ms)] + [str(r.errors)]
+        table.add_row(*row, *(f"{r.cpu_us.get(k, 0):.0f}" for k in CPU_COLUMNS))
+    return table
+
+
+def summary_table(summaries: list[dict[str, float]]) -> Table:
     table = Table(
         title="router vs direct, medians over paired rounds (goal: ratio ≥ 0.98, p99 overhead < 5 ms)"
     )
-    for col in (
-        "conc.",
-        "offered req/s",
-        "direct req/s",
-        "router req/s",
-        "ratio",
-        "p50 +ms",
-        "p99 +ms",
-        "router CPU µs/req",
-        "goal",
-    ):
+    for col in (*SUMMARY_COLUMNS, "router CPU µs/req", "goal"):
         table.add_column(col, justify="right")
     for s in summaries:
         met = s["throughput_ratio"] >= 0.98 and s["p99_overhead_ms"] < 5.0
         added = s["filter_cpu_us"] + s["vllm_router_cpu_us"] + s["engines_extra_cpu_us"]
-        saturated = (
-            " (baseline below offered: CPU-bound)" if s["direct_rps"] < 0.95 * s["offered_rps"] else ""
-        )
+        bound = s["direct_rps"] < 0.95 * s["offered_rps"]
         table.add_row(
-            str(int(s["concurrency"])), f"{s['offered_rps']:.0f}", f"{s['direct_rps']:.1f}", f"{s['router_rps']:.1f}",
-            f"{s['throughput_ratio']:.4f}", f"{s['p50_overhead_ms']:+.2f}", f"{s['p99_overhead_ms']:+.2f}",
+            str(int(s["concurrency"])),
+            *(f"{s[k]:.1f}" for k in ("offered_rps", "direct_rps", "router_rps")),
+            f"{s['throughput_ratio']:.4f}",
+            f"{s['p50_overhead_ms']:+.2f}",
+            f"{s['p99_overhead_ms']:+.2f}",
             f"{added:.0f} (filter {s['filter_cpu_us']:.0f}, vllm-router {s['vllm_router_cpu_us']:.0f})",
-            ("met" if met else "NOT met") + saturated,
-        )  # fmt: skip
-    console.print(table)
+            ("met" if met else "NOT met") + (" (the baseline itself is CPU-bound)" if bound else ""),
+        )
+    return table
+
+
+def report(results: list[RunResult], summaries: list[dict[str, float]]) -> None:
+    console.print(runs_table(results))
+    console.print(summary_table(summaries))
     for s in summaries:
         if "filter_throughput_ratio" in s:
             console.print(
@@ -240,7 +235,7 @@ def report(results: list[RunResult], summaries: list[dict[str, float]]) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--concurrency", type=int, nargs="+", default=[256, 2048])
@@ -249,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--warmup-s", type=float, default=4.0)
-    p.add_argument("--rounds", type=int, default=1, help="direct/router pairs per concurrency")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of all modes back to back, per concurrency")
     p.add_argument(
         "--policy", default="round_robin", choices=["round_robin", "power_of_two", "consistent_hash"]
     )
@@ -262,37 +257,49 @@ def main(argv: list[str] | None = None) -> None:
         help="bare = vllm-router's private port, without the route filter (isolates the filter's cost)",
     )
     args = p.parse_args(argv)
-    delays = args.delay_s * len(args.concurrency) if len(args.delay_s) == 1 else args.delay_s
-    if len(delays) != len(args.concurrency):
-        p.error("give one --delay-s, or one per --concurrency")
+    args.delays = args.delay_s * len(args.concurrency) if len(args.delay_s) == 1 else args.delay_s
+    if len(args.delays) != len(args.concurrency) or "direct" not in args.modes or "router" not in args.modes:
+        p.error("give one --delay-s or one per --concurrency, and keep the direct and router modes")
+    return args
 
+
+def run_all(
+    args: argparse.Namespace, engines: list[FakeEngineProcess], router: RouterProcess
+) -> list[RunResult]:
+    """Every concurrency, ``rounds`` times every mode back to back."""
+    for e in engines:
+        router.register(e)
+    dp = httpx.get(f"{router.control_url}/v1/data-plane").json()
+    pids = {"route-filter": dp["filter_pid"], "vllm-router": dp["router_pid"]}
+    pids |= {f"engine {e.engine_id}": e.child.pid for e in engines}
+    targets = {
+        "direct": [e.url + GENERATE_PATH for e in engines],
+        "bare": [dp["router_url"] + GENERATE_PATH],  # vllm-router without the filter
+        "router": [router.data_url + GENERATE_PATH],
+    }
+    results = []
+    for c, delay in zip(args.concurrency, args.delays, strict=True):
+        for e in engines:
+            e.configure(delay_s=delay)
+        for _ in range(args.rounds):
+            for mode in args.modes:
+                r = run_once(mode, targets[mode], c, delay, pids, args)
+                console.print(
+                    f"{mode:>6} c={c} delay={delay:g}s: {r.throughput:.1f} req/s, p99 {r.p99_ms:.1f} ms"
+                )
+                results.append(r)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="vime-bench-router-"))
     console.print(f"logs in {logs}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    engines = start_fake_engines(args.engines, logs, delay_s=delays[0], max_tokens_cap=16)
+    engines = start_fake_engines(args.engines, logs, delay_s=args.delays[0], max_tokens_cap=16)
     router = None
-    results: list[RunResult] = []
     try:
         router = start_router(logs, overrides=[f"router.policy={args.policy}"])
-        for e in engines:
-            router.register(e)
-        dp = httpx.get(f"{router.control_url}/v1/data-plane").json()
-        pids = {"route-filter": dp["filter_pid"], "vllm-router": dp["router_pid"]}
-        pids |= {f"engine {e.engine_id}": e.child.pid for e in engines}
-        targets = {
-            "direct": [e.url + "/inference/v1/generate" for e in engines],
-            "bare": [dp["router_url"] + "/inference/v1/generate"],  # vllm-router without the filter
-            "router": [router.data_url + "/inference/v1/generate"],
-        }
-        for c, delay in zip(args.concurrency, delays, strict=True):
-            for e in engines:
-                e.configure(delay_s=delay)
-            for _ in range(args.rounds):
-                for mode in args.modes:
-                    r = run_once(mode, targets[mode], c, delay, pids, args)
-                    console.print(
-                        f"{mode:>6} c={c} delay={delay:g}s: {r.throughput:.1f} req/s, p99 {r.p99_ms:.1f} ms"
-                    )
-                    results.append(r)
+        results = run_all(args, engines, router)
     finally:
         stop_all([*(e.child for e in engines), *([router.child] if router else [])])
     summaries = [summarize(results, c) for c in args.concurrency]

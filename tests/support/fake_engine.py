@@ -138,82 +138,85 @@ async def _read_json(request: web.Request) -> Any:
         return vllm_error("body is not valid JSON", "body")
 
 
-def build_app(engine: FakeEngine) -> web.Application:
-    async def generate(request: web.Request) -> web.Response:
+class Handlers:
+    """The engine's HTTP routes."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    async def _serve(self) -> None:
+        """Count the request in flight for ``delay_s`` (what the metrics and drain tests see)."""
+        engine = self.engine
+        engine.generate_total += 1
+        engine.in_flight += 1
+        try:
+            if engine.delay_s > 0:
+                await asyncio.sleep(engine.delay_s)
+        finally:
+            engine.in_flight -= 1
+        engine.completed_total += 1
+
+    async def generate(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        checked = check_generate_body(body)
+        checked = body if isinstance(body, web.Response) else check_generate_body(body)
         if isinstance(checked, web.Response):
             return checked
-        engine.generate_total += 1
         session = request.headers.get("X-Session-ID")
         if session:
-            engine.sessions[session] += 1
-        engine.in_flight += 1
-        try:
-            if engine.delay_s > 0:
-                await asyncio.sleep(engine.delay_s)
-        finally:
-            engine.in_flight -= 1
-        engine.completed_total += 1
-        return web.json_response(generate_response(engine, *checked))
+            self.engine.sessions[session] += 1
+        await self._serve()
+        return web.json_response(generate_response(self.engine, *checked))
 
-    async def openai(request: web.Request) -> web.Response:
+    async def openai(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
         if isinstance(body, web.Response):
             return body
-        engine.generate_total += 1
-        engine.in_flight += 1
-        try:
-            if engine.delay_s > 0:
-                await asyncio.sleep(engine.delay_s)
-        finally:
-            engine.in_flight -= 1
-        engine.completed_total += 1
+        await self._serve()
         kind = "chat.completion" if request.path.endswith("chat/completions") else "text_completion"
         choice = {"index": 0, "finish_reason": "length", "text": " w1"}
-        return web.json_response(
-            {"object": kind, "model": "fake", "choices": [choice], "engine_id": engine.engine_id}
-        )
+        out = {"object": kind, "model": "fake", "choices": [choice], "engine_id": self.engine.engine_id}
+        return web.json_response(out)
 
-    async def control(request: web.Request) -> web.Response:
-        engine.control_calls[request.path] += 1
-        return web.json_response({"status": "ok", "engine_id": engine.engine_id})
+    async def control(self, request: web.Request) -> web.Response:
+        self.engine.control_calls[request.path] += 1
+        return web.json_response({"status": "ok", "engine_id": self.engine.engine_id})
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200 if engine.healthy else 503)
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.healthy else 503)
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(self, _: web.Request) -> web.Response:
         text = (
             "# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{engine="0",model_name="fake"}} {float(engine.in_flight)}\n'
+            f'vllm:num_requests_running{{engine="0",model_name="fake"}} {float(self.engine.in_flight)}\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
             'vllm:num_requests_waiting{engine="0",model_name="fake"} 0.0\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
-    async def stats(_: web.Request) -> web.Response:
-        return web.json_response(engine.stats())
+    async def stats(self, _: web.Request) -> web.Response:
+        return web.json_response(self.engine.stats())
 
-    async def configure(request: web.Request) -> web.Response:
+    async def configure(self, request: web.Request) -> web.Response:
         body = await request.json()
         if "delay_s" in body:
-            engine.delay_s = float(body["delay_s"])
+            self.engine.delay_s = float(body["delay_s"])
         if "healthy" in body:
-            engine.healthy = bool(body["healthy"])
-        return web.json_response(engine.stats())
+            self.engine.healthy = bool(body["healthy"])
+        return web.json_response(self.engine.stats())
 
+
+def build_app(engine: FakeEngine) -> web.Application:
+    h = Handlers(engine)
     app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.router.add_post("/inference/v1/generate", generate)
-    app.router.add_post("/v1/completions", openai)
-    app.router.add_post("/v1/chat/completions", openai)
+    app.router.add_post("/inference/v1/generate", h.generate)
+    app.router.add_post("/v1/completions", h.openai)
+    app.router.add_post("/v1/chat/completions", h.openai)
     for path in CONTROL_ROUTES:
-        app.router.add_post(path, control)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/fake/stats", stats)
-    app.router.add_post("/fake/config", configure)
+        app.router.add_post(path, h.control)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
+    app.router.add_get("/fake/stats", h.stats)
+    app.router.add_post("/fake/config", h.configure)
     return app
 
 
