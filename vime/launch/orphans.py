@@ -1,63 +1,96 @@
-"""Finding every process a launch started, grandchildren included, by an environment marker.
+"""Finding and ending every process a launch started, grandchildren included.
 
-Services start their own children in separate process groups (engines, vllm-router, Ray's
-workers), so stopping a service's group does not reach them if the service dies first. The
-launcher puts ``VIME_LAUNCH_ID=<random id>`` into its own environment before starting anything;
-every descendant inherits it, and after the teardown any process still carrying it is killed.
-Linux only (``/proc``); elsewhere the sweep finds nothing.
+Services start their own children in separate process groups and sessions (engines,
+vllm-router, Ray's workers), so stopping a service's process group does not reach them if the
+service dies first, and some of them rewrite their command line and environment (redis-server,
+setproctitle), so no marker survives in them. Instead the launcher becomes a *child subreaper*
+(Linux ``PR_SET_CHILD_SUBREAPER``): an orphaned descendant is re-parented to the launcher, not to
+init, so after the services are stopped whatever is left of the tree is still the launcher's
+descendant, found by walking parent links in ``/proc``, killed and reaped. Elsewhere (no
+``/proc``, no prctl) only the services' own process groups are stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
-import secrets
 import signal
+import sys
+import time
 from pathlib import Path
 
-MARKER = "VIME_LAUNCH_ID"
+PR_SET_CHILD_SUBREAPER = 36
 
 
-def mark_this_process() -> str:
-    """Set a fresh launch id in this process's environment (inherited by all children)."""
-    launch_id = secrets.token_hex(8)
-    os.environ[MARKER] = launch_id
-    return launch_id
-
-
-def _environ_has(pid: int, needle: bytes) -> bool:
-    try:
-        data = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or not ours
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children; False where unsupported."""
+    if not sys.platform.startswith("linux"):
         return False
-    return needle in data.split(b"\0")
+    try:
+        return int(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
-def _command(pid: int) -> str:
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a process, None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ..." — comm may hold spaces and parentheses.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[1]), fields[0]
+
+
+def command_line(pid: int) -> str:
+    """The process's command line (as it shows it now), shortened."""
     with contextlib.suppress(OSError):
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+        return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
     return "?"
 
 
-def marked_processes(launch_id: str, key: str = MARKER) -> dict[int, str]:
-    """Live processes (not this one) whose environment holds ``key=launch_id``: pid -> command line."""
+def descendants(root: int) -> dict[int, str]:
+    """Live (not zombie) descendants of ``root``: pid -> command line."""
     proc = Path("/proc")
     if not proc.is_dir():
         return {}
-    needle = f"{key}={launch_id}".encode()
-    me = os.getpid()
-    found = {}
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
     for entry in proc.iterdir():
-        if entry.name.isdigit() and int(entry.name) != me and _environ_has(int(entry.name), needle):
-            found[int(entry.name)] = _command(int(entry.name))
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
+            children.setdefault(st[0], []).append(int(entry.name))
+            states[int(entry.name)] = st[1]
+    found: dict[int, str] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if states.get(pid) != "Z":
+            found[pid] = command_line(pid)
     return found
 
 
-def kill_marked(launch_id: str) -> dict[int, str]:
-    """SIGKILL every process left with this launch id; returns what was killed."""
-    leftovers = marked_processes(launch_id)
-    for pid in leftovers:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return leftovers
+def reap() -> None:
+    """Collect exited children (re-parented orphans included) so none stays a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def kill_descendants(timeout_s: float = 5.0) -> dict[int, str]:
+    """SIGKILL every process still below this one, reap them; returns what was killed."""
+    killed = descendants(os.getpid())
+    deadline = time.monotonic() + timeout_s
+    left = killed
+    while left and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        reap()
+        left = descendants(os.getpid())
+    reap()
+    return killed

@@ -1,10 +1,10 @@
 """Starting, watching and stopping the stack's processes.
 
-Start: refuse busy ports, write the resolved config, mark this process (`orphans`), start Redis,
+Start: refuse busy ports, write the resolved config, become a subreaper (`orphans`), start Redis,
 then each service as soon as the ones it needs are healthy, all health checks polled together.
 Watch: a child that exits is a failure of the whole stack. Stop: services in reverse start order,
 each SIGTERM to its process group then SIGKILL after a grace period (at once on a second
-Ctrl-C), then every process still carrying the launch marker, then check the ports are free.
+Ctrl-C), then every process still below the launcher, then check the ports are free.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.console import Console
 
 from vime import procs
 from vime.launch.logs import LogFollower, colour_of
-from vime.launch.orphans import kill_marked, mark_this_process
+from vime.launch.orphans import become_subreaper, kill_descendants
 from vime.launch.signals import SignalLatch
 from vime.launch.stack import ServiceSpec, StackPlan, busy_ports, write_config
 
@@ -55,7 +55,8 @@ class Supervisor:
     latch: SignalLatch
     verbose: bool = False
     children: list[procs.Child] = field(default_factory=list)
-    launch_id: str | None = None
+    started: bool = False
+    """Whether start() got as far as writing the run directory."""
     follower: LogFollower | None = None
 
     # --- start -------------------------------------------------------------------------------
@@ -68,7 +69,8 @@ class Supervisor:
                 "ports with --set services.<name>_port=... / engine.base_port=...)"
             )
         write_config(self.plan)
-        self.launch_id = mark_this_process()
+        self.started = True
+        become_subreaper()  # orphaned grandchildren come back to us (see orphans)
         self.follower = LogFollower([self.plan.log_dir, self.plan.redis_dir], self.console, self.verbose)
         self.follower.start()
         if self.plan.redis_port is not None:
@@ -149,8 +151,8 @@ class Supervisor:
         """Stop every child in reverse start order, sweep leftovers, report ports still held."""
         for child in reversed(self.children):
             self._stop_child(child, STOP_GRACE_S.get(child.name, DEFAULT_GRACE_S))
-        if self.launch_id is not None:
-            leftovers = kill_marked(self.launch_id)
+        if self.started:
+            leftovers = kill_descendants()
             if leftovers:
                 listing = ", ".join(f"{pid} {cmd[:60]}" for pid, cmd in leftovers.items())
                 self.console.print(f"[yellow]killed {len(leftovers)} leftover process(es): {listing}[/]")

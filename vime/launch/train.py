@@ -72,6 +72,6 @@ def run_train(plan: StackPlan, console: Console, *, verbose: bool = False) -> in
             code = EXIT_FAILED
         finally:
             sup.stop()
-        if sup.launch_id is not None:  # something ran: there may be records to sum up
+        if sup.started:  # something ran: there may be records to sum up
             print_summary(status, plan.run_dir, console)
         return code
