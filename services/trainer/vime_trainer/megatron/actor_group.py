@@ -190,7 +190,7 @@ class ActorGroup:
     def load(self, path: str | None = None) -> dict[str, Any] | None:
         """Load a checkpoint (default: the newest complete one); returns its saved state or None."""
         states = self.call("load", path)
-        return states[0]  # type: ignore[no-any-return]
+        return states[0]
 
     def shutdown(self) -> None:
         """Stop the ranks and free the placement group (safe to call twice)."""

@@ -83,8 +83,8 @@ class _NoopStream:
     def __enter__(self) -> _NoopStream:
         return self
 
-    def __exit__(self, *args: Any) -> bool:
-        return False
+    def __exit__(self, *args: Any) -> None:
+        return None
 
 
 def install_cpu_shim() -> None:

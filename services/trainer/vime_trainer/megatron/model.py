@@ -108,7 +108,7 @@ def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> P
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # megatron annotates int; floats work
+        rotary_base=arch.rope_theta,  # megatron annotates int; floats work
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )

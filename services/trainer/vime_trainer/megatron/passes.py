@@ -34,7 +34,7 @@ class Passes:
 
     @property
     def model(self) -> PolicyModel:
-        return self.ddp.module  # type: ignore[no-any-return]
+        return self.ddp.module
 
     def _run(self, mbs: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
         def forward_step(data: Iterator[tuple[int, MicroBatch]], model: Any) -> tuple[torch.Tensor, Any]:
@@ -43,7 +43,7 @@ class Passes:
             hidden = model(mb.tokens, mb.position_ids, mask)
             return hidden, lambda out: loss_fn(k, mb, out)
 
-        return get_forward_backward_func()(  # type: ignore[no-any-return]
+        return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(list(enumerate(mbs))),
             model=[self.ddp],

@@ -118,14 +118,11 @@ class TrainStep:
         results = []
         for s, n in enumerate(batch.num_microbatches):
             settings = self.settings(batch, n)
-            results.append(
-                self.passes.step(
-                    mbs[bounds[s] : bounds[s + 1]],
-                    lambda k, mb, hidden, st=settings: sft_loss(
-                        self.passes.model.output_logits, hidden, mb, st
-                    ),
-                )
-            )
+
+            def loss_fn(k: int, mb: MicroBatch, hidden: torch.Tensor, st: LossSettings = settings) -> Any:
+                return sft_loss(self.passes.model.output_logits, hidden, mb, st)
+
+            results.append(self.passes.step(mbs[bounds[s] : bounds[s + 1]], loss_fn))
         self.backup.backup("actor")
         return results
 

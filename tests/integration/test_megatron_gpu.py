@@ -1,0 +1,96 @@
+"""The Megatron backend on GPU (skipped without CUDA): bf16 training, sleep frees memory, export, resume.
+
+Run on the lent H200 (see docs/gpu.md for the bundle):
+    bash scripts/gpu/device.sh run python3 -m pytest -x -q -m gpu tests/integration/test_megatron_gpu.py
+With two GPUs (kind nvidia-h200-x2) the TP=2 test runs as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+from megatron_support import SEED_ADVANTAGE, one, rollout_batch, run_config, split
+from vime_trainer.megatron.actor_group import ActorGroup
+from vime_trainer.weights.hf_checkpoint import HFReader
+
+from vime.config import RunConfig
+from vime.models.tiny import build_tiny_qwen3
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+TOKENS = np.random.default_rng(5).integers(0, 128, size=(2, 33))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen3(tmp_path_factory.mktemp("models") / "small-bf16", "small", dtype="bfloat16")
+
+
+def _gpu_config(tmp: Path, gpus: int, tp: int) -> RunConfig:
+    trainer = {"lr": 1e-5, "clip_grad": 1.0, "bf16": True}
+    return run_config(tmp, tp=tp, actor_num_gpus_per_node=gpus, trainer=trainer)
+
+
+def test_bf16_training_sleep_export_and_resume(ray_cluster: None, bf16_model: Path, tmp_path: Path) -> None:
+    cfg = _gpu_config(tmp_path, gpus=1, tp=1)
+    group = ActorGroup(cfg, str(bf16_model))
+    group.start()
+    try:
+        exported = one(group.call("hf_state_dict"))
+        original = HFReader(bf16_model).state_dict()
+        assert all(np.array_equal(exported[k], v.float().numpy()) for k, v in original.items())
+
+        (step,) = group.train(0, split(cfg, rollout_batch(cfg, 0, [SEED_ADVANTAGE] * 8)))
+        assert step["loss"] == pytest.approx(-SEED_ADVANTAGE, abs=1e-6)  # ratio exactly 1, fp32 log-probs
+        assert np.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+
+        before = one(group.call("logits", TOKENS))
+        awake = group.call("memory_stats")[0]
+        group.sleep()
+        asleep = group.call("memory_stats")[0]
+        assert asleep["allocated_gib"] < 0.2 * awake["allocated_gib"], (awake, asleep)
+        buckets = list(group.export_weight_buckets(str(tmp_path / "shm")))  # from the CPU backup
+        assert buckets
+        group.wake_up()
+        assert np.array_equal(one(group.call("logits", TOKENS)), before)
+
+        path = group.save(0, {"weight_version": 2})
+        group.train(1, split(cfg, rollout_batch(cfg, 1)))
+        assert group.load(path) is not None
+        assert np.array_equal(one(group.call("logits", TOKENS)), before)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_on_two_gpus_matches_tp1(ray_cluster: None, bf16_model: Path, tmp_path: Path) -> None:
+    logits, losses = [], []
+    for tp in (1, 2):
+        cfg = _gpu_config(tmp_path / f"tp{tp}", gpus=tp, tp=tp)
+        group = ActorGroup(cfg, str(bf16_model))
+        group.start()
+        try:
+            logits.append(one(group.call("logits", TOKENS)))
+            losses.append(group.train(0, split(cfg, rollout_batch(cfg, 0)))[0])
+        finally:
+            group.shutdown()
+    assert np.abs(logits[0] - logits[1]).max() < 0.1  # bf16 matmuls split differently
+    assert losses[0]["pg_loss"] == pytest.approx(losses[1]["pg_loss"], abs=1e-6)
+    assert losses[0]["grad_norm"] == pytest.approx(losses[1]["grad_norm"], rel=0.05)
