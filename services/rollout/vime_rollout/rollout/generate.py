@@ -54,7 +54,8 @@ def _version_of(reported: str | None, known: int) -> str:
 
 
 async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -> Sample:
-    """Generate (the rest of) a sample's response; the sample is changed only by a usable reply."""
+    """Generate (the rest of) a sample's response under the semaphore; the sample is changed only by
+    a usable reply (an aborted rollout turns a waiting sample into an aborted one, step 28)."""
     max_new = sample.remaining_new_tokens(state.sampling.max_new_tokens)
     if max_new <= 0:
         sample.status = SampleStatus.TRUNCATED
@@ -65,8 +66,15 @@ async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -
     payload = request_payload(state, sample, max_new, logprobs)
     session = sample.session_id if state.send_session_header else None
     for _ in range(MAX_ENGINE_ABORT_RETRIES + 1):
-        known_version = state.weight_version()
-        output = await state.generator.generate(payload, session_id=session)
+        async with state.semaphore:  # seed step 18: bounds the requests in flight, nothing else
+            if state.aborted:
+                sample.status = SampleStatus.ABORTED
+                return sample
+            known_version = state.weight_version()
+            output = await state.generator.generate(payload, session_id=session)
+        # Let the request that takes the freed slot go out before this reply is parsed: when many
+        # replies land at once, the engines are refilled first and the parsing waits.
+        await asyncio.sleep(0)
         state.counters.requests += 1
         result = parse_generate_response(output)
         state.counters.generated_tokens += len(result.token_ids)
@@ -99,15 +107,11 @@ async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -
 
 
 async def generate_and_rm(state: GenerateState, sample: Sample, logprobs: int | None) -> Sample:
-    """Semaphore, generate, then the reward unless the group is scored as a whole (steps 18, 26)."""
+    """Generate, then the reward unless the group is scored as a whole (steps 18, 26)."""
     if sample.status in FINISHED and sample.reward is not None:
         return sample  # finished in an earlier (aborted) rollout: nothing to redo
     if sample.status not in FINISHED:
-        async with state.semaphore:
-            if state.aborted:
-                sample.status = SampleStatus.ABORTED
-                return sample
-            sample = await generate(state, sample, logprobs)
+        sample = await generate(state, sample, logprobs)
     if sample.status is SampleStatus.ABORTED or state.cfg.reward.group_rm:
         return sample
     if sample.reward is None:
