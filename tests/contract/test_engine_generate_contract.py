@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import torch
 from contract_support import EngineUnderTest, HFReference, debug_state, greedy
@@ -162,11 +163,18 @@ async def test_stop_strings(engine: EngineClient, eut: EngineUnderTest) -> None:
 
 
 def _eos_ids(model_dir: object) -> set[int]:
-    from transformers import AutoConfig, GenerationConfig
+    """EOS ids as vLLM reads them: the tokenizer's, the config's, and generation_config.json's if any."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    sources: list[object] = [
+        AutoConfig.from_pretrained(str(model_dir)),
+        AutoTokenizer.from_pretrained(str(model_dir)),
+    ]
+    with contextlib.suppress(OSError):
+        sources.append(GenerationConfig.from_pretrained(str(model_dir)))
     ids: set[int] = set()
-    for cfg in (AutoConfig.from_pretrained(str(model_dir)), GenerationConfig.from_pretrained(str(model_dir))):
-        eos = getattr(cfg, "eos_token_id", None)
+    for src in sources:
+        eos = getattr(src, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
     return ids
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     from .engine_core import EngineCore
     from .model_runner import ModelRunner
     from .server import run
-    from .tokenizer import load_decoder
+    from .tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
             f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} cannot hold one sequence of "
             f"max_model_len={runner.max_model_len} ({smallest} bytes): raise it or lower --max-model-len"
         )
-    decode = load_decoder(args.model)
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer.eos_id is not None:
+        runner.eos_ids.add(tokenizer.eos_id)
     served = served_model(args.model, args.served_model_name, runner.max_model_len, runner.vocab_size)
 
     def core() -> EngineCore:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
             prefill_token_budget=args.prefill_token_budget,
             kv_cache_bytes=args.kv_cache_memory_bytes,
-            decode_text=decode,
+            decode_text=tokenizer.decode,
         )
 
     run(build_app(core, served), args.host, args.port, args.log_level)
