@@ -310,6 +310,23 @@ async def test_data_plane_processes_are_restarted_and_resynced(router: RouterPro
         await control.aclose()
 
 
+async def test_hung_vllm_router_is_replaced(router: RouterProcess) -> None:
+    control = RouterClient(router.control_url, token=TOKEN)
+    try:
+        before = await control.data_plane()
+        assert before.router_pid
+        os.kill(before.router_pid, signal.SIGSTOP)  # alive, but answers nothing
+        deadline = time.monotonic() + 40
+        while (now := await control.data_plane()).router_pid in (None, before.router_pid) or not now.ready:
+            assert time.monotonic() < deadline, "a hung vllm-router was not replaced"
+            await asyncio.sleep(0.2)
+        assert _gone(before.router_pid)
+        assert len(now.workers) == 4
+        assert len(await send_many(router, 8, attempts=4)) == 8
+    finally:
+        await control.aclose()
+
+
 def _gone(pid: int) -> bool:
     """Exited (a zombie nobody has reaped yet counts as exited)."""
     try:

@@ -132,6 +132,10 @@ class Supervised:
         self.timeout_s = timeout_s
         self.child: procs.Child | None = None
         self.restarts = 0
+        self.failures = 0
+        """Restarts in a row that did not last 30 s (backoff)."""
+        self.misses = 0
+        """Liveness checks in a row it did not answer."""
         self.started_at = 0.0
 
     def alive(self) -> bool:
@@ -149,6 +153,14 @@ class Supervised:
     async def stop(self) -> None:
         if self.child is not None:
             await asyncio.to_thread(self.child.stop, 15.0)
+
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether it answers its ready URL now (a hung process is alive but silent)."""
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s) as http:
+                return (await http.get(self.ready_url)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 class DataPlane:
@@ -190,35 +202,47 @@ class DataPlane:
         self.ready = True
 
     async def supervise(self, interval_s: float = 0.25) -> None:
-        """Restart a process that exited (forever; cancelled when the service stops)."""
-        failures = {"vllm-router": 0, "route-filter": 0}
+        """Restart a process that exited or hangs (forever; cancelled when the service stops).
+
+        Liveness: every ``health_check_interval_s`` each process must answer its ready URL within
+        max(2 s, ``health_check_timeout_s``); three silences in a row and it is killed and restarted.
+        """
+        cfg = self.spec.config
+        every = max(1, round(cfg.health_check_interval_s / interval_s))
+        timeout = max(2.0, cfg.health_check_timeout_s)
+        tick = 0
         while True:
             await asyncio.sleep(interval_s)
+            tick += 1
             for proc in (self.router, self.gate):
-                if proc.alive():
-                    if time.monotonic() - proc.started_at > 30:
-                        failures[proc.name] = 0
-                    continue
-                self.ready = False
-                code = proc.child.popen.returncode if proc.child else None
-                log.error(
-                    "%s exited (%s); restarting. Log tail:\n%s",
-                    proc.name,
-                    code,
-                    proc.child.log_tail(10) if proc.child else "",
-                )
-                await asyncio.sleep(min(10.0, 0.5 * 2 ** failures[proc.name]) if failures[proc.name] else 0)
-                failures[proc.name] += 1
-                proc.restarts += 1
-                try:
-                    if proc.child is not None:
-                        await asyncio.to_thread(proc.child.stop, 1.0)
-                    await proc.start()
-                    if proc is self.router:
-                        await self.on_router_start()
-                except Exception as exc:  # keep supervising; the next round tries again
-                    log.error("restarting %s failed: %s", proc.name, exc)
+                if proc.alive() and tick % every == 0:
+                    proc.misses = 0 if await proc.answers(timeout) else proc.misses + 1
+                    if proc.misses >= 3 and proc.child is not None:
+                        log.error("%s is alive but has not answered 3 checks; killing it", proc.name)
+                        await asyncio.to_thread(proc.child.kill)
+                if not proc.alive():
+                    await self._restart(proc)
             self.ready = self.router.alive() and self.gate.alive()
+
+    async def _restart(self, proc: Supervised) -> None:
+        self.ready = False
+        code = proc.child.popen.returncode if proc.child else None
+        tail = proc.child.log_tail(10) if proc.child else ""
+        log.error("%s exited (%s); restarting. Log tail:\n%s", proc.name, code, tail)
+        if time.monotonic() - proc.started_at > 30:
+            proc.failures = 0
+        await asyncio.sleep(min(10.0, 0.5 * 2**proc.failures) if proc.failures else 0)
+        proc.failures += 1
+        proc.restarts += 1
+        proc.misses = 0
+        try:
+            if proc.child is not None:
+                await asyncio.to_thread(proc.child.stop, 1.0)
+            await proc.start()
+            if proc is self.router:
+                await self.on_router_start()
+        except Exception as exc:  # keep supervising; the next round tries again
+            log.error("restarting %s failed: %s", proc.name, exc)
 
     async def stop(self) -> None:
         self.ready = False
