@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from contract_pushers import WeightPusher
-from contract_support import EngineUnderTest, HFReference, greedy, memory_used
+from contract_support import EngineUnderTest, HFReference, greedy, memory_used, until_running
 
 from vime.clients.engine import EngineClient
 
@@ -92,3 +92,32 @@ async def test_level1_releases_memory(engine: EngineClient, eut: EngineUnderTest
     assert asleep["weights_backup_bytes"] == awake["weights_bytes"]
     freed = awake["rss_bytes"] - asleep["rss_bytes"]
     assert freed >= 0.8 * awake["kv_cache_bytes"], f"RSS fell by {freed} bytes of {awake['kv_cache_bytes']}"
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_sleep_mode_decides_the_fate_of_requests_in_flight(
+    engine: EngineClient, eut: EngineUnderTest, mode: str
+) -> None:
+    """Sleep pauses first with the given mode (seed step 35 uses keep): abort ends them, wait lets them
+    finish before sleeping, keep freezes them and they finish after the wake."""
+    n = 4000 if mode == "abort" else 400
+    uninterrupted = await greedy(engine, PROMPT, n) if mode == "keep" else None
+    task = asyncio.create_task(
+        engine.generate(PROMPT, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+    )
+    await until_running(eut, 1, min_tokens=5, tasks=[task])
+    await engine.sleep(1, mode)  # type: ignore[arg-type]
+    assert await engine.is_sleeping()
+    if mode == "abort":
+        assert (await asyncio.wait_for(task, 30)).finish_reason == "abort"
+    elif mode == "wait":
+        result = await asyncio.wait_for(task, 30)  # finished before the engine went to sleep
+        assert result.finish_reason == "length" and len(result.token_ids) == n
+    else:
+        assert await _held(task), "keep freezes the request while the engine sleeps"
+    await engine.wake_up()
+    if mode == "keep":
+        result = await asyncio.wait_for(task, 120)
+        assert result.finish_reason == "length" and len(result.token_ids) == n
+        if eut.profile.exact_numerics:  # recomputed after the wake with the same weights
+            assert result.token_ids == uninterrupted
