@@ -5,18 +5,25 @@ two legitimately differ, the difference is a field of `EngineProfile` (chosen fr
 own ``GET /version``) and the tests assert the behaviour of the engine in front of them — both
 branches are real assertions, documented here:
 
-==========================  ===================  ==============  ==================================
-behaviour                   reference engine     vLLM 0.26       vLLM 0.33 (read from code only)
-==========================  ===================  ==============  ==================================
-weight version in responses spans, once set      none at all     spans, "default" at start
-unknown request fields      400 naming them      ignored (200)   ignored (200)
-weight-update misuse        400                  500             500
-new request during pause    held until resume    held            503 in abort/wait, held in keep
-sleep-level outside 0..2    400                  not tested      400
-memory check                /debug/memory (RSS)  nvidia-smi      nvidia-smi
-logprob tolerance vs HF     1e-3 (fp32 both)     0.15 (bf16)     0.15 (bf16)
-same tokens when batched    exact                not asserted    not asserted
-==========================  ===================  ==============  ==================================
+==============================  =====================  ===============  ============================
+behaviour                       reference engine       vLLM 0.26        vLLM 0.33 (from code only)
+==============================  =====================  ===============  ============================
+weight version in responses     spans, once one is set none at all      spans ("default" at start)
+unknown request fields          400 naming them        ignored (200)    ignored (200)
+weight-update protocol misuse   400                    500              500
+request arriving during pause   held until resume      held             503 in abort/wait, held keep
+sleep level outside 0..2        400                    not tested       400
+stream=true                     400 (not implemented)  SSE chunks       SSE chunks
+update while weights asleep     400 (guarded)          no guard: n/t    no guard: n/t
+penalties, logit_bias, ...      400 unless default     supported: n/t   supported: n/t
+weight transport                shm safetensors files  CUDA IPC         CUDA IPC  (pusher seam)
+memory check                    /debug/memory (RSS)    nvidia-smi       nvidia-smi
+log-prob tolerance vs HF fp32   1e-3                   0.15 (bf16)      0.15 (bf16)
+same tokens whatever the batch  exact                  not asserted     not asserted
+==============================  =====================  ===============  ============================
+
+"n/t": not tested against that engine (the reference-engine side is). Everything else in the
+suite is the same assertion for every engine.
 """
 
 from __future__ import annotations
