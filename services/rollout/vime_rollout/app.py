@@ -197,6 +197,10 @@ def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
     @app.post("/v1/engines/offload", response_model=MemoryResult, dependencies=auth)
     async def offload(request: Request, body: OffloadRequest | None = None) -> MemoryResult:
         m: RolloutManager = mgr(request)
+        if m.jobs.running is not None:
+            raise ServiceError(
+                409, f"rollout job {m.jobs.running.job_id} is running: offload after it finishes"
+            )
         level = (body.level if body else None) or m.cfg.weight_update_level
         m.monitor.pause("offload")  # seed step 33: a sleeping engine is not a dead one
         start = time.perf_counter()

@@ -151,6 +151,7 @@ def test_eval_rollout_and_concurrency_conflict(client: Any) -> None:
     assert "rollout is running" in _error(
         c.put("/v1/data-source/state", json={"state": {}}, headers=AUTH), 409
     )
+    assert "offload after it finishes" in _error(c.post("/v1/engines/offload", headers=AUTH), 409)
     gen.hold_after = None
     gen.abort_event.set()  # every request now comes back aborted, as from an engine paused for good
     deadline = time.monotonic() + 20

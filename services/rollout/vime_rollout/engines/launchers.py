@@ -158,7 +158,12 @@ class DockerLauncher:
     can_restart = True
 
     def __init__(self, run_id: str, model_path: str, log_dir: str | Path, image: str | None = None) -> None:
-        import docker
+        try:
+            import docker
+        except ImportError:
+            raise RuntimeError(
+                "engine.launcher=docker needs the Docker SDK: pip install 'vime-rollout[docker]'"
+            ) from None
 
         self.client = docker.from_env()
         self.run_id = run_id
