@@ -104,8 +104,6 @@ def container_spec(
     the colocated trainer must open), and the host network so its URL is the planned one.
     ``mounts`` are host paths mounted at the same path (model directory, logs).
     """
-    from docker.types import DeviceRequest
-
     env = {k: v for k, v in command.env.items() if k != "CUDA_VISIBLE_DEVICES"}
     return {
         "image": image,
@@ -118,7 +116,10 @@ def container_spec(
         "network_mode": "host",
         "shm_size": "16g",
         "ulimits": [{"Name": "memlock", "Soft": -1, "Hard": -1}],
-        "device_requests": [DeviceRequest(device_ids=[str(g) for g in spec.gpu_ids], capabilities=[["gpu"]])],
+        # The SDK turns this mapping into a DeviceRequest (no docker import needed to build the spec).
+        "device_requests": [
+            {"Driver": "nvidia", "DeviceIDs": [str(g) for g in spec.gpu_ids], "Capabilities": [["gpu"]]}
+        ],
         "volumes": {m: {"bind": m, "mode": "ro" if i == 0 else "rw"} for i, m in enumerate(mounts)},
         "labels": {"vime.run": run_id, "vime.engine": str(spec.index)},
         "auto_remove": False,
