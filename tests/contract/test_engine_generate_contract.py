@@ -192,3 +192,19 @@ async def test_eos_stops_unless_ignored(engine: EngineClient, eut: EngineUnderTe
         assert ignored.token_ids[: len(natural.token_ids)] == natural.token_ids  # same seed, same draws
     else:  # never sampled EOS in max_tokens draws: then it must not appear at all
         assert natural.finish_reason == "length" and not eos & set(natural.token_ids)
+
+
+async def test_top_k_and_top_p_restrict_what_is_sampled(
+    engine: EngineClient, eut: EngineUnderTest, hf: HFReference
+) -> None:
+    """First tokens drawn under top-k / top-p lie in the set the HF model's distribution allows."""
+    lp = hf.logprobs(PROMPT, [0])[0]  # log-probs of the first generated position
+    ranked = lp.sort(descending=True).values
+    nucleus_end = int((ranked.exp().cumsum(0) < 0.1).sum()) + 1  # smallest prefix holding >= 10%
+    tol = eut.profile.logprob_atol
+    for extra, floor in (({"top_k": 3}, ranked[2]), ({"top_p": 0.1}, ranked[nucleus_end - 1])):
+        sp = {"max_tokens": 1, "temperature": 1.0, **extra}
+        firsts = await asyncio.gather(*(engine.generate(PROMPT, {**sp, "seed": s}) for s in range(48)))
+        tokens = [r.token_ids[0] for r in firsts]
+        assert all(lp[t] >= floor - tol for t in tokens), (extra, tokens)
+        assert len(set(tokens)) >= 2, f"{extra}: 48 seeds all drew {tokens[0]}"

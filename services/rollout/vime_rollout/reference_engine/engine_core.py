@@ -31,7 +31,7 @@ import torch
 
 from .errors import EngineError
 from .model_runner import ModelRunner
-from .sampler import RowResult, sample
+from .sampler import RowResult, RowSpec, sample
 from .sequence import Decoder, Request, Sequence
 from .weights import BucketError, bucket_path, read_shapes, read_tensors
 
@@ -196,7 +196,7 @@ class EngineCore:
         self.generated_tokens += len(results)
         self._retire_finished()
 
-    def _compute(self, step: Step, row0: int, specs: list[Any]) -> list[RowResult]:
+    def _compute(self, step: Step, row0: int, specs: list[RowSpec]) -> list[RowResult]:
         """Runs in a worker thread while the lock is held: one decode pass, one prefill pass."""
         out: list[RowResult] = []
         n = len(step.decode)
