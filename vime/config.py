@@ -191,6 +191,10 @@ class TrainerConfig(Section):
     """Weight-push bucket size (a tensor larger than this travels alone in its own bucket)."""
     weight_transport: Literal["auto", "ipc", "shm"] = "auto"
     """ipc (CUDA IPC, colocated GPUs), shm (safetensors in /dev/shm or shared dir); auto picks."""
+    weight_dir: str | None = None
+    """Where shm weight buckets are written (None: /dev/shm, else the temp dir); a shared filesystem when engines run on other hosts."""
+    ipc_packed: bool = True
+    """IPC push: one CUDA IPC handle per packed bucket (bounded memory) instead of one per tensor."""
     checkpoint_dir: str = "checkpoints"
     """Where distributed checkpoints are written; resume reads the newest one."""
     sft_warmup_steps: int = Field(0, ge=0)

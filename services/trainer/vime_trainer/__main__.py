@@ -1,0 +1,85 @@
+"""``python -m vime_trainer``: the trainer service (REST; start runs with ``POST /v1/runs``).
+
+``python -m vime_trainer run``: one run in this process, no REST — the entry point for a GPU host
+where the rollout manager (with its vLLM engines), router, reward service and Redis are already
+up; prints the run's summary as JSON and exits 0 when the run finished or stopped.
+
+Defaults come from the run config's ``services`` section; ``--set key=value`` overrides any field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from vime.config import ConfigError, RunConfig, load_config
+from vime.service import configured_token, serve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vime_trainer", description=__doc__.split("\n\n")[0])
+    p.add_argument("command", nargs="?", choices=("serve", "run"), default="serve")
+    p.add_argument("--config", type=Path, default=None, help="YAML run config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--host", default=None, help="interface to bind (default: services.host)")
+    p.add_argument("--port", type=int, default=None, help="port (default: services.trainer_port)")
+    p.add_argument("--run-id", default=None, help="run: the run id (default: the config's, else a timestamp)")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def backend_factory(cfg: RunConfig) -> object:
+    """The Megatron training ranks (Ray actors) for ``cfg``, loading the engines' checkpoint."""
+    from vime_trainer.megatron.actor_group import ActorGroup
+    from vime_trainer.model_path import resolve_hf_checkpoint
+
+    return ActorGroup(cfg, str(resolve_hf_checkpoint(cfg)))
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+async def run_once(args: argparse.Namespace) -> int:
+    from vime.wire.trainer import RunRequest, RunState
+    from vime_trainer.runs import RunRegistry
+
+    registry = RunRegistry(lambda extra: load_config(args.config, [*args.overrides, *extra]), backend_factory)  # type: ignore[arg-type]
+    handle = await registry.start(RunRequest(run_id=args.run_id))
+    try:
+        assert handle.task is not None
+        await handle.task
+    finally:
+        await asyncio.to_thread(shutdown_ray)
+    print(json.dumps(handle.ctx.status.summary, indent=2))
+    return 0 if handle.ctx.status.state in (RunState.FINISHED, RunState.STOPPED) else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.command == "run":
+        raise SystemExit(asyncio.run(run_once(args)))
+    from vime_trainer.app import build_app
+    from vime_trainer.runs import RunRegistry
+
+    registry = RunRegistry(lambda extra: load_config(args.config, [*args.overrides, *extra]), backend_factory)  # type: ignore[arg-type]
+    app = build_app(registry, token=configured_token(cfg.services.token()), on_shutdown=shutdown_ray)
+    serve(app, args.host or cfg.services.host, args.port or cfg.services.trainer_port)
+
+
+if __name__ == "__main__":
+    main()

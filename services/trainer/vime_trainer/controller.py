@@ -1,0 +1,168 @@
+"""The driver loop: seed steps 1–55, in the seed's order, readable in one screen (`Controller.run`).
+
+Colocated memory order of every step: the engines sleep (level 2, weights dropped) → the trainer
+wakes, trains, sleeps → the engines wake their ``weights`` → the push → admission resumes → the
+engines wake their KV cache. Checkpoints are taken right after training, while the trainer is
+awake and the engines asleep; a resumed run republishes the checkpoint's weights under the
+version they were (or were about to be) published as, so versions continue as if uninterrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vime.algorithms import should_flush_cache
+from vime.wire.trainer import CheckpointResult, RunPhase, RunState, StepRecord
+from vime_trainer.megatron.checkpoint import checkpoint_path
+from vime_trainer.ops import RunOps, RunStopped
+from vime_trainer.state import RunContext, StepClock
+
+log = logging.getLogger("vime.trainer.run")
+
+WEIGHTS, KV = ["weights"], ["kv_cache", "cuda_graph"]
+
+
+class Controller:
+    def __init__(self, ctx: RunContext, ops: RunOps) -> None:
+        self.ctx, self.ops, self.cfg = ctx, ops, ctx.cfg
+        self.saved_rollout: int | None = None
+        """The rollout id of the newest checkpoint this run wrote."""
+        self.last_done: int | None = None
+
+    async def run(self) -> RunState:
+        try:
+            first = await self.start_up()  # steps 1–13
+        except RunStopped:
+            return await self.finish()
+        for rollout_id in range(first, self.cfg.num_rollout):
+            if self.ctx.stop_requested:
+                break
+            self.ctx.set_rollout(rollout_id)
+            await self.serve_push_requests()
+            clock = StepClock(self.ctx)
+            with clock.phase("rollout"):  # 14–32
+                await self.ops.push_catch_up()
+                job = await self.ops.rollout_step(rollout_id)
+            with clock.phase("offload"):  # 33–36
+                await self.ops.offload()
+            with clock.phase("train"):  # 37–42
+                metrics = await self.ops.train(rollout_id, job)
+            with clock.phase("save"):  # save_interval, the last rollout, a stop or a request
+                await self.maybe_save(rollout_id)
+            with clock.phase("onload_weights"):  # 43
+                await self.ops.onload(WEIGHTS)
+            with clock.phase("weight_sync"):  # 44–53
+                was_paused = await self.ops.pause_admission()
+                await self.ops.push_weights(self.ops.version + 1, self.flush(self.ops.version + 1))
+                if rollout_id + 1 < self.cfg.num_rollout:
+                    await self.ops.resume_admission(was_paused)
+            with clock.phase("onload_kv"):  # 54
+                await self.ops.onload(KV)
+            with clock.phase("eval"):
+                metrics |= await self.maybe_eval(rollout_id)
+            self.step_done(rollout_id, clock, {**job.metrics, **metrics})  # 55
+        return await self.finish()
+
+    # --- start-up: seed steps 1–13 ----------------------------------------------------------------
+    async def start_up(self) -> int:
+        """Engines started (asleep when offloaded), trainer started (or resumed), weights v1 pushed."""
+        resume = self.cfg.start_rollout_id is None
+        self.ctx.events.record("run.start", num_rollout=self.cfg.num_rollout, resume=resume)
+        engines = await self.ops.wait_rollout_manager()  # 2
+        held = max((e.weight_version or 0 for e in engines), default=0)
+        state = await self.ops.start_trainer(resume)  # 3
+        first, version = self.cfg.start_rollout_id or 0, held + 1
+        if state is not None:
+            run_state = state.get("run_state") or {}
+            first = int(state["next_rollout_id"])
+            saved = int(run_state.get("weight_version", 0))
+            version = saved if saved >= held else held + 1  # the checkpoint's weights keep their version
+            if run_state.get("data_state") is not None:
+                await self.ops.rollout.set_data_state(run_state["data_state"])
+            self.ctx.status.checkpoint = str(
+                checkpoint_path(self.cfg.trainer.checkpoint_dir, int(state["rollout_id"]))
+            )
+            self.ctx.events.record("run.resume", next_rollout_id=first, weight_version=version)
+        self.ctx.status.start_rollout_id = self.ctx.status.next_rollout_id = first
+        self.ops.version = self.ops.start_version = held
+        await self.ops.trainer_sleep()  # Megatron sleeps before the engines wake
+        await self.ops.onload(WEIGHTS)  # 4–7
+        await self.ops.push_weights(version, flush=True)  # 8: first push, always flushes
+        await self.ops.training_ready()  # 9
+        await self.ops.onload(KV)  # 10–13
+        return first
+
+    def flush(self, version: int) -> bool:
+        return should_flush_cache(self.cfg.flush_cache_interval, version, self.ops.start_version)
+
+    # --- checkpoints, eval, requests ------------------------------------------------------------
+    async def maybe_save(self, rollout_id: int) -> None:
+        c = self.cfg
+        due = (
+            (c.save_interval is not None and (rollout_id + 1) % c.save_interval == 0)
+            or rollout_id + 1 == c.num_rollout
+            or self.ctx.stop_requested
+            or bool(self.ctx.checkpoint_requests)
+        )
+        if due:  # these weights are published next as version + 1
+            await self.save(rollout_id, self.ops.version + 1)
+
+    async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:
+        self.ctx.set_phase(RunPhase.SAVE)
+        result = await self.ops.save(rollout_id, weight_version)
+        self.saved_rollout = rollout_id
+        for fut in self.ctx.checkpoint_requests:
+            if not fut.done():
+                fut.set_result(result)
+        self.ctx.checkpoint_requests.clear()
+        return result
+
+    async def maybe_eval(self, rollout_id: int) -> dict[str, float]:
+        interval = self.cfg.eval_interval
+        if interval is None or (rollout_id + 1) % interval:
+            return {}
+        self.ctx.set_phase(RunPhase.EVAL)
+        return await self.ops.evaluate(rollout_id)
+
+    async def serve_push_requests(self) -> None:
+        """``POST /v1/weights/push``, served at a step boundary (engines awake, trainer asleep)."""
+        if not self.ctx.push_requests:
+            return
+        self.ctx.set_phase(RunPhase.WEIGHT_SYNC)
+        version = self.ops.version + 1
+        result = await self.ops.push_weights(version, self.flush(version))
+        for fut in self.ctx.push_requests:
+            if not fut.done():
+                if result is None:
+                    fut.set_exception(RuntimeError("no live engine to push to"))
+                else:
+                    fut.set_result(result)
+        self.ctx.push_requests.clear()
+
+    def step_done(self, rollout_id: int, clock: StepClock, metrics: dict[str, float]) -> None:
+        step = StepRecord(
+            rollout_id=rollout_id,
+            weight_version=self.ops.version,
+            timings=clock.timings(),
+            metrics=metrics,
+            finished_at=time.time(),
+        )
+        self.last_done = rollout_id
+        self.ctx.step_done(step)
+        self.ctx.events.record("step.done", step_s=round(step.timings.step_s, 4))
+        self.on_step(step)
+
+    def on_step(self, step: StepRecord) -> None:
+        """Hook for the run's record (set by `runs.RunHandle`)."""
+
+    async def finish(self) -> RunState:
+        """A stop that came after the step's save point still leaves a checkpoint of that step."""
+        if self.last_done is not None and self.saved_rollout != self.last_done:
+            await self.save(self.last_done, self.ops.version)
+            log.info("run %s: checkpoint after rollout %d", self.ctx.run_id, self.last_done)
+        self.ctx.set_phase(RunPhase.DONE)
+        next_id = self.ctx.status.next_rollout_id
+        return (
+            RunState.FINISHED if next_id is not None and next_id >= self.cfg.num_rollout else RunState.STOPPED
+        )

@@ -1,0 +1,287 @@
+"""The seed's actions, one method each: a call to the rollout manager, the trainer ranks or the
+engines, logged in the run's event log. `Controller` strings them together in the seed's order.
+
+The trainer backend (`ActorGroup`) is blocking (Ray), so its calls run in worker threads and the
+REST app stays responsive during a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from vime.batch import RankBatch
+from vime.clients.base import ServiceCallError
+from vime.clients.rollout import RolloutClient
+from vime.wire.rollout import EngineInfo, MemoryResult, RolloutJob
+from vime.wire.trainer import CheckpointResult, PushResult
+from vime_trainer.batches import BatchReader
+from vime_trainer.state import RunContext
+from vime_trainer.weight_sync import WeightSync
+
+log = logging.getLogger("vime.trainer.run")
+
+LIVE = ("ready", "needs_weights")
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; the message says why."""
+
+
+class RunStopped(Exception):
+    """A stop was asked before the run got anywhere (e.g. while waiting for the rollout manager)."""
+
+
+class Backend(Protocol):
+    """The part of `vime_trainer.megatron.actor_group.TrainerBackend` the loop uses."""
+
+    @property
+    def dp_size(self) -> int: ...
+    def start(self) -> None: ...
+    def train(self, rollout_id: int, rank_batches: Sequence[RankBatch]) -> list[dict[str, float]]: ...
+    def sleep(self) -> None: ...
+    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
+    def load(self, path: str | None = None) -> dict[str, Any] | None: ...
+    def shutdown(self) -> None: ...
+
+
+class RunOps:
+    """Everything the driver loop does, with the weight version the engines hold."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        rollout: RolloutClient,
+        backend: Backend,
+        make_sync: Callable[[Backend], WeightSync],
+        make_batches: Callable[[int], BatchReader],
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.rollout = rollout
+        self.backend = backend
+        self.make_sync = make_sync
+        self.make_batches = make_batches
+        self.events = ctx.events
+        self.version = 0
+        """Version of the weights the engines hold."""
+        self.start_version = 0
+        """What the engines held when this run (re)started (`should_flush_cache`)."""
+        self.admission_paused = False
+        self.sync: WeightSync | None = None
+        self.batches: BatchReader | None = None
+
+    # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
+    async def wait_rollout_manager(self, timeout_s: float = 900.0) -> list[EngineInfo]:
+        """Step 2 happens in the rollout manager's start-up: wait until it serves, engines started."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.ctx.stop_requested:
+                raise RunStopped()
+            try:
+                status = await self.rollout.engines()
+                if any(e.status in LIVE for e in status.engines):
+                    self.events.record(
+                        "rollout.ready", engines=len(status.engines), version=status.weight_version
+                    )
+                    return status.engines
+                last = "no live engine yet"
+            except Exception as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise RunError(f"the rollout manager is not ready after {timeout_s:.0f}s: {last}")
+            await asyncio.sleep(1.0)
+
+    async def start_trainer(self, resume: bool) -> dict[str, Any] | None:
+        """Step 3: start the ranks (HF weights); when resuming, load the newest checkpoint over them."""
+        await asyncio.to_thread(self.backend.start)
+        dp = self.backend.dp_size
+        self.events.record("trainer.start", dp_size=dp, world_size=self.cfg.train_world_size)
+        self.batches = self.make_batches(dp)
+        self.sync = self.make_sync(self.backend)
+        if not resume:
+            return None
+        state = await asyncio.to_thread(self.backend.load, None)
+        self.events.record("trainer.load", found=state is not None)
+        return state
+
+    async def training_ready(self) -> None:
+        """Step 9; a run that resumes after a final step finds admission paused (step 53 skipped)."""
+        await self.rollout.training_ready()
+        self.events.record("rollout.training_ready")
+        await self.resume_admission(True)
+
+    # --- memory (seed steps 4–7, 10–13, 33–36, 41, 43, 54) -----------------------------------
+    async def onload(self, tags: list[str]) -> None:
+        if not self.cfg.offload_rollout:
+            return
+        result = await self.rollout.onload(tags)
+        self._memory_event(result, tags=result.tags_sent)
+
+    async def offload(self) -> None:
+        if not self.cfg.offload_rollout:
+            return
+        result = await self.rollout.offload()
+        self._memory_event(result, level=result.level)
+
+    def _memory_event(self, result: MemoryResult, **detail: Any) -> None:
+        failed = {u: r for u, r in result.results.items() if r.startswith("error")}
+        self.events.record(
+            f"engines.{result.action}", engines=len(result.results), failed=len(failed), **detail
+        )
+        for url, res in failed.items():
+            log.warning("%s on %s: %s", result.action, url, res)
+
+    async def trainer_sleep(self) -> None:
+        """Step 41 (and after a save): free the trainer's GPU memory before the engines wake."""
+        if self.cfg.offload_train:
+            await asyncio.to_thread(self.backend.sleep)
+            self.events.record("trainer.sleep")
+
+    # --- rollout and training (seed steps 14–32, 37–42) ----------------------------------------
+    async def rollout_step(self, rollout_id: int) -> RolloutJob:
+        self.events.record("rollout.start")
+        job = await self.rollout.rollout(rollout_id, dp_size=self.backend.dp_size)
+        if not job.batch_id:
+            raise RunError(f"rollout {rollout_id} returned no batch: {job.error or 'unknown reason'}")
+        self.events.record("rollout.done", batch_id=job.batch_id, samples=job.num_samples)
+        return job
+
+    async def train(self, rollout_id: int, job: RolloutJob) -> dict[str, float]:
+        """Steps 37–42: read every DP rank's share, train, sleep, ack, report training completed."""
+        assert self.batches is not None, "start_trainer first"
+        shares = await self.batches.read(job.batch_id or "", rollout_id)
+        self.events.record("trainer.train", batch_id=job.batch_id)
+        steps = await asyncio.to_thread(self.backend.train, rollout_id, shares)
+        await self.trainer_sleep()
+        await self.batches.ack(job.batch_id or "")
+        done = await self.rollout.training_completed(rollout_id)
+        self.events.record("rollout.training_completed", pending_batches=done.pending_batches)
+        return {**train_metrics(steps), **batch_metrics(shares)}
+
+    # --- weight sync (seed steps 44–53) -------------------------------------------------------
+    async def pause_admission(self) -> bool:
+        result = await self.rollout.pause_admission()
+        self.admission_paused = result.paused
+        self.events.record("admission.pause")
+        return result.was_paused
+
+    async def resume_admission(self, was_paused: bool) -> None:
+        result = await self.rollout.resume_admission(was_paused)
+        self.admission_paused = result.paused
+        self.events.record("admission.resume")
+
+    async def push_weights(self, version: int, flush: bool, *, stale_only: bool = False) -> PushResult | None:
+        """Steps 45–52 to the engines of the update lock (only the stale ones with ``stale_only``)."""
+        assert self.sync is not None, "start_trainer first"
+        lease = await self.rollout.update_lock()
+        done = False
+        try:
+            targets = [e for e in lease.engines if not stale_only or self._stale(e)]
+            if not targets:
+                return None
+            self.events.record("weights.push", version=version, flush=flush, engines=[e.url for e in targets])
+            targets = await self._weights_awake(targets)
+            report = await self.sync.push(targets, version, flush)
+            await self.rollout.weights_loaded(version, lease_id=lease.lease_id, engine_urls=report.engines)
+            done = True
+        finally:
+            if not done:
+                with contextlib.suppress(Exception):
+                    await self.rollout.release_update_lock(lease.lease_id)
+        self.version = self.ctx.status.weight_version = version
+        self.events.record("weights.loaded", version=version, buckets=report.buckets, nbytes=report.nbytes)
+        return PushResult(
+            version=version,
+            flushed=flush,
+            transport=self.sync.transport.name,
+            engines=report.engines,
+            buckets=report.buckets,
+            bytes=report.nbytes,
+            seconds=report.seconds,
+        )
+
+    def _stale(self, engine: EngineInfo) -> bool:
+        return engine.needs_weights or engine.weight_version != self.version
+
+    async def push_catch_up(self) -> PushResult | None:
+        """Engines restarted (or missed a push) get the current weights before they serve again."""
+        status = await self.rollout.engines()
+        if not any(e.status in LIVE and self._stale(e) for e in status.engines):
+            return None
+        return await self.push_weights(self.version, True, stale_only=True)
+
+    async def _weights_awake(self, targets: list[EngineInfo]) -> list[EngineInfo]:
+        """Never push into sleeping weights (vLLM has no guard): wake them, or refuse."""
+        if not any("weights" in e.asleep for e in targets):
+            return targets
+        result = await self.rollout.onload(["weights"])
+        self._memory_event(result, tags=result.tags_sent, reason="push guard")
+        now = {e.url: e for e in (await self.rollout.engines()).engines}
+        still = [e.url for e in targets if "weights" in now.get(e.url, e).asleep]
+        if still:
+            raise RunError(f"engine weights still asleep after wake_up, refusing to push: {', '.join(still)}")
+        return [now.get(e.url, e) for e in targets]
+
+    # --- checkpoints and eval -------------------------------------------------------------------
+    async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:
+        """Checkpoint with the run state a resume needs (data position, the weights' version)."""
+        t0 = time.perf_counter()
+        run_state = {
+            "run_id": self.ctx.run_id,
+            "weight_version": weight_version,
+            "data_state": await self.rollout.data_state(),
+        }
+        path = await asyncio.to_thread(self.backend.save, rollout_id, run_state)
+        self.events.record("trainer.save", path=path, weight_version=weight_version)
+        await self.trainer_sleep()
+        self.ctx.status.checkpoint = path
+        return CheckpointResult(
+            rollout_id=rollout_id,
+            next_rollout_id=rollout_id + 1,
+            path=path,
+            weight_version=weight_version,
+            seconds=time.perf_counter() - t0,
+        )
+
+    async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        if self.admission_paused:  # after the last step admission stays paused (step 53 skipped)
+            await self.resume_admission(True)
+        self.events.record("eval.start")
+        try:
+            job = await self.rollout.rollout(rollout_id, evaluation=True)
+        except ServiceCallError as exc:
+            if exc.status_code != 400:
+                raise
+            self.events.record("eval.skipped", reason=exc.message)
+            return {}
+        self.events.record("eval.done", samples=job.num_samples)
+        return dict(job.metrics)
+
+    async def close(self) -> None:
+        if self.batches is not None:
+            await self.batches.aclose()
+        await asyncio.to_thread(self.backend.shutdown)
+
+
+def train_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The mean over the rollout's optimizer steps of each trainer metric, as ``train/<name>``."""
+    keys = sorted({k for s in steps for k in s})
+    out = {f"train/{k}": float(statistics.fmean(float(s[k]) for s in steps if k in s)) for k in keys}
+    out["train/optimizer_steps"] = float(len(steps))
+    return out
+
+
+def batch_metrics(shares: Sequence[RankBatch]) -> dict[str, float]:
+    """What the trained samples carried: their count and the weight versions that generated them."""
+    versions = [int(v) for s in shares for v in s.weight_versions]
+    return {
+        "batch/samples": float(sum(s.num_samples for s in shares)),
+        "batch/weight_version_min": float(min(versions, default=-1)),
+        "batch/weight_version_max": float(max(versions, default=-1)),
+    }

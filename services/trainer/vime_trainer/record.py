@@ -1,0 +1,121 @@
+"""The run's record: one metrics line per step, one log line per step, TensorBoard / wandb when asked.
+
+``runs/<run_id>/metrics.jsonl`` gets one flat JSON object per step: the rollout id, the weight
+version pushed at its end, ``perf/T_<phase>`` seconds for each part of T_step and ``perf/T_step``
+itself, then the rollout manager's and the trainer's metrics. A resumed run appends to the same
+file. TensorBoard and wandb are optional: asked for but not installed is a warning, not a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from vime.config import RunConfig
+from vime.wire.trainer import STEP_PHASES, StepRecord
+
+log = logging.getLogger("vime.trainer.run")
+
+
+def step_row(run_id: str, step: StepRecord) -> dict[str, Any]:
+    """The flat metrics line of one step."""
+    t = step.timings
+    row: dict[str, Any] = {
+        "run_id": run_id,
+        "rollout_id": step.rollout_id,
+        "weight_version": step.weight_version,
+        "time": step.finished_at,
+        "perf/T_step": t.step_s,
+    }
+    for phase in (*STEP_PHASES, "save", "eval"):
+        row[f"perf/T_{phase}"] = getattr(t, f"{phase}_s")
+    row.update(step.metrics)
+    return row
+
+
+def step_line(step: StepRecord) -> str:
+    """``rollout 3 → v4 | T_step 12.31s = rollout 5.10 + offload 0.10 + ... | reward 0.50±0.20 len 12.0``."""
+    t, m = step.timings, step.metrics
+    parts = " + ".join(f"{p} {getattr(t, f'{p}_s'):.2f}" for p in STEP_PHASES)
+    line = f"rollout {step.rollout_id} → v{step.weight_version} | T_step {t.step_s:.2f}s = {parts}"
+    if "rollout/reward_mean" in m:
+        line += f" | reward {m['rollout/reward_mean']:.3f}±{m.get('rollout/reward_std', 0.0):.3f}"
+    if "rollout/response_len_mean" in m:
+        line += f" len {m['rollout/response_len_mean']:.1f}"
+    if "train/loss" in m:
+        line += f" loss {m['train/loss']:.4f}"
+    return line
+
+
+class RunRecord:
+    """Where one run's per-step record goes."""
+
+    def __init__(self, cfg: RunConfig, run_id: str) -> None:
+        self.run_id = run_id
+        self.dir = Path(cfg.output_dir) / run_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.events_path = self.dir / "events.jsonl"
+        self.report_path = self.dir / "report.png"
+        self._tb: Any = _tensorboard(self.dir / "tensorboard") if cfg.log_tensorboard else None
+        self._wandb: Any = _wandb(cfg, run_id) if cfg.log_wandb else None
+
+    def step(self, step: StepRecord) -> dict[str, Any]:
+        row = step_row(self.run_id, step)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log.info("%s", step_line(step))
+        scalars = {
+            k: v for k, v in row.items() if isinstance(v, int | float) and k not in ("rollout_id", "time")
+        }
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step.rollout_id)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step.rollout_id)
+        return row
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every step of this run id, the newest line winning for a rollout id seen twice."""
+        if not self.metrics_path.exists():
+            return []
+        by_rollout: dict[int, dict[str, Any]] = {}
+        for line in self.metrics_path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                by_rollout[int(row["rollout_id"])] = row
+        return [by_rollout[k] for k in sorted(by_rollout)]
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _tensorboard(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("log_tensorboard is set but tensorboard is not installed (pip install tensorboard)")
+        return None
+    return SummaryWriter(str(path))
+
+
+def _wandb(cfg: RunConfig, run_id: str) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        log.warning("log_wandb is set but wandb is not installed (pip install wandb)")
+        return None
+    return wandb.init(
+        project="vime", name=run_id, id=run_id, resume="allow", config=cfg.model_dump(mode="json")
+    )
+
+
+def now() -> float:
+    return time.time()

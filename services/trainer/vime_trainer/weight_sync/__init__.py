@@ -1,0 +1,43 @@
+"""Weight sync: vLLM's update protocol (`protocol`) over a transport (`shm`, `ipc`).
+
+`make_transport` picks one: ``ipc`` when the trainer ranks share GPUs with the engines
+(colocated, on GPUs), ``shm`` otherwise (CPU hosts, or engines on other GPUs/hosts that share a
+filesystem). ``trainer.weight_transport`` forces either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vime.config import RunConfig
+from vime_trainer.weight_sync.protocol import PushReport, WeightSync, WeightSyncError
+from vime_trainer.weight_sync.transport import OutgoingBucket, WeightTransport
+
+__all__ = [
+    "OutgoingBucket",
+    "PushReport",
+    "WeightSync",
+    "WeightSyncError",
+    "WeightTransport",
+    "make_transport",
+    "transport_name",
+]
+
+
+def transport_name(cfg: RunConfig) -> str:
+    """``trainer.weight_transport`` with ``auto`` resolved."""
+    chosen = cfg.trainer.weight_transport
+    if chosen != "auto":
+        return chosen
+    return "ipc" if cfg.colocate and cfg.actor_num_gpus_per_node > 0 else "shm"
+
+
+def make_transport(cfg: RunConfig, backend: Any) -> WeightTransport:
+    """The transport for this run, over the started trainer backend (an `ActorGroup`)."""
+    if transport_name(cfg) == "ipc":
+        from vime_trainer.weight_sync.ipc import IpcTransport
+
+        return IpcTransport(backend, packed=cfg.trainer.ipc_packed)
+    from vime_trainer.weight_sync.shm import ShmTransport
+
+    return ShmTransport(backend, cfg.trainer.weight_dir)

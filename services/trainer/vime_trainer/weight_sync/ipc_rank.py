@@ -1,0 +1,145 @@
+"""The rank side of the CUDA IPC push: runs inside each training rank's Ray actor.
+
+`ActorGroup` stays as it is: the driver runs these functions on every rank with Ray's
+``actor.__ray_call__`` (the function receives the rank object). All ranks step together because
+``TrainRank.hf_buckets`` is collective (TP all-gather, PP broadcast): each ``ipc_next`` builds the
+next bucket of full HF tensors on the rank's own GPU, shares it through CUDA IPC and returns the
+handle with the bucket's layout. The rank keeps that bucket alive until the driver asks for the
+next one, which it does only after every engine has loaded the current one (vLLM's
+``/update_weights`` returns once the weights are in), so engines never read freed memory;
+``ipc_close`` drops the last one and runs ``torch.cuda.ipc_collect()``.
+
+Each bucket gets a fresh buffer rather than one staging buffer reused for every bucket (vLLM's
+own helper): a worker that still holds views of an earlier bucket (vLLM's layerwise reload keeps
+them until a layer is complete) then never sees the next bucket's bytes, whatever vLLM version
+it runs; torch keeps a shared block alive until its consumer lets go of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vime_trainer.weights.buckets import Bucket
+
+ReduceFn = Callable[[torch.Tensor], tuple[Any, tuple[Any, ...]]]
+"""``torch.multiprocessing.reductions.reduce_tensor``: tensor -> (rebuild fn, rebuild args)."""
+
+_ATTR = "_vime_ipc_exporter"
+
+
+def _default_reduce() -> ReduceFn:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor
+
+
+class IpcExporter:
+    """Turns a rank's bucket stream into IPC handles, one bucket at a time."""
+
+    def __init__(
+        self, buckets: Iterator[Bucket], packed: bool, gpu_uuid: str, reduce: ReduceFn | None = None
+    ) -> None:
+        self.buckets = buckets
+        self.packed = packed
+        self.gpu_uuid = gpu_uuid
+        self.reduce = reduce or _default_reduce()
+        self.held: list[torch.Tensor] = []
+        """The current bucket's shared memory; must outlive the engines' read of it."""
+
+    def next(self) -> dict[str, Any] | None:
+        """The next bucket's export (see `ipc_payload.RankExport`), or None after the last."""
+        self.held = []  # every engine loaded the previous bucket before the driver asked again
+        bucket = next(self.buckets, None)
+        if bucket is None:
+            return None
+        tensors = [t.detach().contiguous() for t in bucket.tensors]
+        sizes: list[int] | None = None
+        if self.packed:
+            buffer, sizes = pack_like_vllm(tensors)
+            self.held = [buffer]
+            handles: Any = {self.gpu_uuid: self.reduce(buffer)[1]}
+        else:
+            self.held = tensors
+            handles = [{self.gpu_uuid: self.reduce(t)[1]} for t in tensors]
+        if self.held and self.held[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies are done before an engine reads
+        return {
+            "index": bucket.index,
+            "names": list(bucket.names),
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "packed": self.packed,
+            "handles": handles,
+            "tensor_sizes": sizes,
+            "nbytes": bucket.nbytes,
+        }
+
+    def close(self) -> None:
+        self.held = []
+        close = getattr(self.buckets, "close", None)
+        if close is not None:
+            close()
+
+
+def pack_like_vllm(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The bucket's bytes back to back in one uint8 buffer, no padding, and each tensor's size.
+
+    vLLM's packed consumer cuts the buffer at the running sum of ``tensor_sizes`` and views each
+    piece as its dtype and shape, so the layout must be exactly its producer's (``torch.cat`` of
+    the flat byte views) — not `Bucket.flatten`, which pads every tensor to an aligned offset.
+    """
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    sizes = [f.numel() for f in flat]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
+    offset = 0
+    for f, n in zip(flat, sizes, strict=True):
+        buffer[offset : offset + n].copy_(f)
+        offset += n
+    return buffer, sizes
+
+
+def physical_gpu(device_index: int) -> int | None:
+    """The host's index of this process's CUDA device (Ray narrows CUDA_VISIBLE_DEVICES per rank)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return device_index
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if device_index < len(ids) and ids[device_index].isdigit():
+        return int(ids[device_index])
+    return None  # UUID or MIG names: the driver falls back to sending every rank's handles
+
+
+def ipc_open(rank: Any, packed: bool) -> dict[str, Any]:
+    """Start an export on this rank; returns where it lives (``RankGpu`` fields)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "the ipc weight transport needs the trainer ranks on GPUs (CUDA IPC); "
+            "set trainer.weight_transport=shm on hosts without shared GPUs"
+        )
+    device = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    ipc_close(rank)
+    setattr(rank, _ATTR, IpcExporter(rank.hf_buckets(), packed, uuid))
+    return {"rank": int(rank.rank), "gpu_uuid": uuid, "physical_gpu": physical_gpu(device)}
+
+
+def ipc_next(rank: Any) -> dict[str, Any] | None:
+    """The next bucket's handle on this rank (collective: every rank must call it together)."""
+    exporter: IpcExporter | None = getattr(rank, _ATTR, None)
+    if exporter is None:
+        raise RuntimeError("ipc_next without ipc_open")
+    return exporter.next()
+
+
+def ipc_close(rank: Any) -> None:
+    """Drop the export and let the CUDA driver release the shared blocks."""
+    exporter: IpcExporter | None = getattr(rank, _ATTR, None)
+    if exporter is not None:
+        exporter.close()
+        setattr(rank, _ATTR, None)
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()

@@ -1,0 +1,188 @@
+"""vLLM's four-phase weight update, driven on every engine at once (seed steps 46–52).
+
+46 pause: ``abort`` when this version flushes (in-flight requests die, new ones wait), else
+   ``keep`` (frozen in place); then, when flushing, ``/reset_prefix_cache`` with running requests
+   reset — retried once a second, up to 60 times, while blocks are still held;
+47 ``/start_weight_update``;
+48–50 one ``/update_weights`` per bucket, the same bucket to every engine concurrently, the next
+   bucket only once all of them loaded this one;
+51 ``/finish_weight_update {"weight_version": "<v>"}`` (0.33 and the reference engine keep the
+   label; 0.26 ignores the body);
+52 ``/resume``.
+
+A push that fails after the pause leaves the engines paused: serving half-updated weights would
+be worse than not serving. The update session is closed best-effort so a later push can start.
+The caller must have woken the engines' ``weights`` first — vLLM has no guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from vime.clients.base import ServiceCallError, ServiceUnreachable
+from vime.clients.engine import EngineClient
+from vime.wire.rollout import EngineInfo
+from vime_trainer.weight_sync.transport import OutgoingBucket, WeightTransport
+
+log = logging.getLogger("vime.trainer.weights")
+
+T = TypeVar("T")
+EventFn = Callable[..., object]
+UPDATE_TIMEOUT_S = 300.0
+"""vLLM's own helper waits 300 s for one ``/update_weights``."""
+
+
+class WeightSyncError(RuntimeError):
+    """A phase of the push failed on at least one engine; the message names them."""
+
+
+@dataclass
+class PushReport:
+    version: int
+    flushed: bool
+    engines: list[str]
+    buckets: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def _no_event(action: str, **detail: Any) -> None:
+    return None
+
+
+class WeightSync:
+    """Pushes a transport's buckets to a set of engines with vLLM's update protocol."""
+
+    def __init__(
+        self,
+        transport: WeightTransport,
+        *,
+        on_event: EventFn = _no_event,
+        reset_attempts: int = 60,
+        reset_interval_s: float = 1.0,
+        client_factory: Callable[[str], EngineClient] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.on_event = on_event
+        self.reset_attempts = reset_attempts
+        self.reset_interval_s = reset_interval_s
+        self.client_factory = client_factory or (lambda url: EngineClient(url, timeout=UPDATE_TIMEOUT_S))
+
+    async def push(self, engines: Sequence[EngineInfo], version: int, flush: bool) -> PushReport:
+        """Seed steps 46–52 on ``engines``; returns what was sent."""
+        report = PushReport(version, flush, [e.url for e in engines])
+        if not engines:
+            return report
+        clients = {e.url: self.client_factory(e.url) for e in engines}
+        start = time.perf_counter()
+        try:
+            await self._phase(
+                report, "pause", clients, lambda c: c.pause("abort" if flush else "keep", clear_cache=False)
+            )
+            self.on_event("weights.pause", mode="abort" if flush else "keep")
+            if flush:
+                await self._phase(report, "flush", clients, self._reset_prefix_cache)
+                self.on_event("weights.flush")
+            await self._phase(report, "start", clients, lambda c: c.start_weight_update())
+            self.on_event("weights.start")
+            try:
+                await self._send_buckets(report, engines, clients)
+                await self._phase(report, "finish", clients, lambda c: c.finish_weight_update(version))
+            except BaseException:
+                await self._close_sessions(clients)
+                raise
+            self.on_event("weights.finish", version=version)
+            await self._phase(report, "resume", clients, lambda c: c.resume())
+            self.on_event("weights.resume")
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    async def _send_buckets(
+        self, report: PushReport, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]
+    ) -> None:
+        it = self.transport.buckets(engines)
+        t0 = time.perf_counter()
+        try:
+            while (bucket := await asyncio.to_thread(_next_or_none, it)) is not None:
+                await _fan_out(
+                    "update_weights",
+                    {e.url: _update_call(clients[e.url], bucket, e) for e in engines},
+                )
+                report.buckets += 1
+                report.nbytes += bucket.nbytes
+                self.on_event(
+                    "weights.update", bucket=bucket.index, nbytes=bucket.nbytes, tensors=bucket.num_tensors
+                )
+        finally:
+            await asyncio.to_thread(_close, it)  # frees (or deletes) what the transport still holds
+            report.phases["update"] = time.perf_counter() - t0
+        if report.buckets == 0:
+            raise WeightSyncError(f"the {self.transport.name} transport produced no weight bucket")
+
+    async def _phase(
+        self,
+        report: PushReport,
+        name: str,
+        clients: dict[str, EngineClient],
+        call: Callable[[EngineClient], Awaitable[Any]],
+    ) -> None:
+        t0 = time.perf_counter()
+        await _fan_out(name, {url: call(c) for url, c in clients.items()})
+        report.phases[name] = time.perf_counter() - t0
+
+    async def _reset_prefix_cache(self, client: EngineClient) -> None:
+        """Flush the prefix cache; vLLM answers success=false while blocks are held, so retry."""
+        last: str = "never answered"
+        for attempt in range(self.reset_attempts):
+            try:
+                if await client.reset_prefix_cache(reset_running_requests=True, reset_external=True):
+                    return
+                last = "success=false (blocks still held)"
+            except (ServiceCallError, ServiceUnreachable) as exc:
+                last = str(exc)
+            if attempt + 1 < self.reset_attempts:
+                await asyncio.sleep(self.reset_interval_s)
+        raise WeightSyncError(f"reset_prefix_cache failed {self.reset_attempts} times: {last}")
+
+    async def _close_sessions(self, clients: dict[str, EngineClient]) -> None:
+        """After a failed update: end the engines' update sessions (they stay paused)."""
+        results = await asyncio.gather(
+            *(c.finish_weight_update() for c in clients.values()), return_exceptions=True
+        )
+        for url, res in zip(clients, results, strict=True):
+            if isinstance(res, BaseException):
+                log.warning("closing the update session of %s: %s", url, res)
+
+
+def _update_call(client: EngineClient, bucket: OutgoingBucket, engine: EngineInfo) -> Awaitable[None]:
+    return client.update_weights(bucket.update_info(engine), timeout=UPDATE_TIMEOUT_S)
+
+
+async def _fan_out(phase: str, calls: dict[str, Awaitable[Any]]) -> None:
+    """Await one call per engine concurrently; any failure is a WeightSyncError naming the engines."""
+    results = await asyncio.gather(*calls.values(), return_exceptions=True)
+    failed = {url: r for url, r in zip(calls, results, strict=True) if isinstance(r, BaseException)}
+    for r in failed.values():
+        if isinstance(r, asyncio.CancelledError | KeyboardInterrupt):
+            raise r
+    if failed:
+        detail = "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failed.items())
+        raise WeightSyncError(f"{phase} failed on {len(failed)} engine(s): {detail}")
+
+
+def _next_or_none(it: Iterator[T]) -> T | None:
+    return next(it, None)
+
+
+def _close(it: Iterator[Any]) -> None:
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()

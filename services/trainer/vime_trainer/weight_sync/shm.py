@@ -1,0 +1,62 @@
+"""The ``shm`` transport: each bucket a safetensors file in ``/dev/shm`` (or a shared directory).
+
+For CPU hosts (the reference engine loads ``{"backend": "shm", "path": ...}``) and for engines
+that do not share the trainer's GPUs but share a filesystem. Global rank 0 of the trainer writes
+the files (`ActorGroup.export_weight_buckets`, at most two ahead of the engines); a file is
+deleted as soon as every engine has loaded it, or when the push is abandoned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vime.wire.engine import shm_update_info
+from vime.wire.rollout import EngineInfo
+
+
+class BucketWriter(Protocol):
+    """What the shm transport needs of the trainer backend (`ActorGroup` has it)."""
+
+    def export_weight_buckets(self, directory: str | None = None) -> Iterator[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class ShmBucket:
+    path: str
+    index: int
+    nbytes: int
+    num_tensors: int
+
+    def update_info(self, engine: EngineInfo) -> dict[str, Any]:
+        return shm_update_info(self.path)
+
+
+class ShmTransport:
+    """Buckets as files; every engine gets the same ``update_info``."""
+
+    name = "shm"
+
+    def __init__(self, writer: BucketWriter, directory: str | None = None) -> None:
+        self.writer = writer
+        self.directory = directory
+
+    def buckets(self, engines: Sequence[EngineInfo]) -> Iterator[ShmBucket]:
+        exported = self.writer.export_weight_buckets(self.directory)
+        try:
+            for item in exported:
+                bucket = ShmBucket(
+                    str(item["path"]), int(item["index"]), int(item["nbytes"]), len(item["names"])
+                )
+                try:
+                    yield bucket
+                finally:  # loaded by every engine (next bucket asked for) or the push was abandoned
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(bucket.path)
+        finally:
+            close = getattr(exported, "close", None)
+            if close is not None:
+                close()  # drains and deletes what the writer already wrote ahead

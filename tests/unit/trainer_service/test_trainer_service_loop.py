@@ -1,0 +1,272 @@
+"""The driver loop (seed steps 1–55) against in-process stand-ins: the seed's order of actions,
+weight versions 1 → 2 → 3, where checkpoints go and what they carry, stop and resume, restarted
+engines, the push guard, eval, requests from the REST app, the flush interval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from trainer_fakes import FakeBackend, FakeBatches, FakeEngines, FakeRollout, FakeTransport
+from vime_trainer.controller import Controller
+from vime_trainer.events import EventLog
+from vime_trainer.ops import RunError, RunOps
+from vime_trainer.state import RunContext
+from vime_trainer.weight_sync import WeightSync
+
+from vime.config import load_config
+from vime.wire.trainer import RunState
+
+BASE = [
+    "rollout_num_gpus=0",
+    "actor_num_gpus_per_node=0",
+    "rollout_batch_size=2",
+    "n_samples_per_prompt=4",
+    "micro_batch_size=4",
+    "tensor_model_parallel_size=1",
+    "num_rollout=2",
+]
+
+
+class Run:
+    def __init__(self, *overrides: str, backend: FakeBackend | None = None, version: int = 0) -> None:
+        self.cfg = load_config(overrides=[*BASE, *overrides], environ={})
+        self.events = EventLog()
+        self.ctx = RunContext("r", self.cfg, self.events)
+        self.engines = FakeEngines(2)
+        self.rollout = FakeRollout(
+            self.engines.urls(), offloaded=bool(self.cfg.offload_rollout), version=version
+        )
+        self.backend = backend or FakeBackend()
+        self.transport = FakeTransport(2)
+        self.batches: list[FakeBatches] = []
+        self.ops = RunOps(
+            self.ctx,
+            self.rollout,  # type: ignore[arg-type]
+            self.backend,
+            make_sync=lambda b: WeightSync(
+                self.transport,
+                on_event=self.events.record,
+                client_factory=self.engines.client,
+                reset_interval_s=0,
+            ),
+            make_batches=self._batches,
+        )
+        self.controller = Controller(self.ctx, self.ops)
+        self.steps: list[Any] = []
+        self.controller.on_step = self.steps.append  # type: ignore[method-assign]
+
+    def _batches(self, dp: int) -> Any:
+        self.batches.append(FakeBatches(self.rollout, dp))
+        return self.batches[-1]
+
+    async def go(self) -> RunState:
+        return await self.controller.run()
+
+    def actions(self, rollout_id: Any = "all") -> list[str]:
+        out: list[str] = []
+        for e in self.events.events:
+            if rollout_id != "all" and e.rollout_id != rollout_id:
+                continue
+            name = e.action + (f"({','.join(e.detail['tags'])})" if "tags" in e.detail else "")
+            if not out or out[-1] != name or name != "weights.update":
+                out.append(name)
+        return out
+
+
+PUSH = [
+    "weights.push",
+    "weights.pause",
+    "weights.flush",
+    "weights.start",
+    "weights.update",
+    "weights.finish",
+    "weights.resume",
+    "weights.loaded",
+]
+
+
+async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
+    run = Run()
+    assert await run.go() is RunState.FINISHED
+    assert run.actions(None) == [
+        "run.start",
+        "rollout.ready",
+        "trainer.start",
+        "trainer.load",
+        "trainer.sleep",  # 2, 3; Megatron sleeps first
+        "engines.onload(weights)",
+        *PUSH,  # 4–8: v1
+        "rollout.training_ready",
+        "admission.resume",
+        "engines.onload(kv_cache)",  # 9–13
+    ]
+    step = [
+        "rollout.start",
+        "rollout.done",
+        "engines.offload",
+        "trainer.train",
+        "trainer.sleep",
+        "rollout.training_completed",
+    ]
+    sync = ["engines.onload(weights)", "admission.pause", *PUSH]
+    assert run.actions(0) == [*step, *sync, "admission.resume", "engines.onload(kv_cache)", "step.done"]
+    # The last rollout saves after training, and skips resuming admission (seed step 53).
+    assert run.actions(1) == [
+        *step,
+        "trainer.save",
+        "trainer.sleep",
+        *sync,
+        "engines.onload(kv_cache)",
+        "step.done",
+    ]
+    assert run.rollout.version == 3 and {s.version for s in run.engines.states.values()} == {"3"}
+    assert [s.metrics["batch/weight_version_max"] for s in run.steps] == [1.0, 2.0]  # samples carry v1, v2
+    assert [s.weight_version for s in run.steps] == [2, 3]
+    assert run.backend.checkpoints[1]["run_state"]["weight_version"] == 3  # published next as v3
+    assert run.ctx.status.next_rollout_id == 2 and run.ctx.status.steps_done == 2
+    assert run.rollout.admission_paused and run.batches[0].acked == ["run:0:0", "run:1:0"]
+    t = run.steps[0].timings
+    assert t.step_s == pytest.approx(
+        t.rollout_s + t.offload_s + t.train_s + t.onload_weights_s + t.weight_sync_s + t.onload_kv_s
+    )
+
+
+async def test_trainer_sleeps_before_engine_weights_wake() -> None:
+    run = Run()
+    seen: list[bool] = []
+    orig = run.rollout.onload
+
+    async def onload(tags: Any = None) -> Any:
+        if tags == ["weights"]:
+            seen.append(run.backend.asleep)
+        return await orig(tags)
+
+    run.rollout.onload = onload  # type: ignore[method-assign]
+    await run.go()
+    assert seen == [True, True, True]
+
+
+async def test_stop_during_training_checkpoints_that_step_and_ends_after_it() -> None:
+    run = Run("num_rollout=3")
+    run.backend.on_train = lambda rid: run.ctx.request_stop() if rid == 0 else None
+    assert await run.go() is RunState.STOPPED
+    assert [s.rollout_id for s in run.steps] == [0]
+    assert list(run.backend.checkpoints) == [0]
+    assert run.backend.checkpoints[0]["run_state"]["weight_version"] == 2
+    assert run.rollout.version == 2 and not run.rollout.admission_paused  # the step finished normally
+    assert run.ctx.status.next_rollout_id == 1
+
+
+async def test_stop_after_the_save_point_checkpoints_after_the_step() -> None:
+    run = Run("num_rollout=3")
+    run.transport.on_bucket = lambda i: run.ctx.request_stop() if run.ctx.status.rollout_id == 0 else None
+    assert await run.go() is RunState.STOPPED
+    assert list(run.backend.checkpoints) == [0]
+    assert run.backend.checkpoints[0]["run_state"]["weight_version"] == 2  # already published as v2
+    assert run.actions(0)[-3:] == ["step.done", "trainer.save", "trainer.sleep"]
+
+
+async def test_resume_continues_at_the_checkpoint_with_the_same_versions() -> None:
+    data = {"epoch": 0, "sample_group_index": 2}
+    saved = {
+        0: {"rollout_id": 0, "next_rollout_id": 1, "run_state": {"weight_version": 2, "data_state": data}}
+    }
+    run = Run("num_rollout=3", backend=FakeBackend(checkpoints=saved), version=2)
+    assert await run.go() is RunState.FINISHED
+    assert ("set_data_state", data) in run.rollout.calls
+    loaded = [v for name, v in run.rollout.calls if name == "weights_loaded"]
+    assert [v[0] for v in loaded] == [2, 3, 4]  # the checkpoint's weights keep v2
+    assert [s.rollout_id for s in run.steps] == [1, 2]
+    assert [s.metrics["batch/weight_version_max"] for s in run.steps] == [2.0, 3.0]
+    assert run.ctx.status.start_rollout_id == 1
+
+
+async def test_resume_behind_the_engines_takes_a_newer_version() -> None:
+    saved = {0: {"rollout_id": 0, "next_rollout_id": 1, "run_state": {"weight_version": 2}}}
+    run = Run("num_rollout=2", backend=FakeBackend(checkpoints=saved), version=5)
+    await run.go()
+    assert [v[0] for name, v in run.rollout.calls if name == "weights_loaded"] == [6, 7]
+
+
+async def test_a_restarted_engine_gets_the_current_weights_before_the_next_rollout() -> None:
+    run = Run()
+    orig = run.rollout.onload
+
+    async def onload(tags: Any = None) -> Any:
+        out = await orig(tags)
+        if tags == ["kv_cache", "cuda_graph"] and run.ctx.status.rollout_id == 0:
+            e = run.rollout.engines_[
+                1
+            ]  # restarted by the rollout manager: checkpoint weights, out of the router
+            e.status, e.needs_weights, e.weight_version = "needs_weights", True, 0
+        return out
+
+    run.rollout.onload = onload  # type: ignore[method-assign]
+    await run.go()
+    loaded = [v for name, v in run.rollout.calls if name == "weights_loaded"]
+    assert loaded[2] == (2, ("http://e1",))  # the catch-up push: current version, that engine only
+    assert run.actions(1)[:2] == ["weights.push", "weights.pause"]
+    assert run.rollout.calls.index(("rollout", 1)) > run.rollout.calls.index(("weights_loaded", loaded[2]))
+
+
+async def test_the_push_guard_refuses_engines_whose_weights_stay_asleep() -> None:
+    run = Run()
+    run.rollout.keep_asleep = {"http://e1"}
+    with pytest.raises(RunError, match=r"still asleep.*http://e1"):
+        await run.go()
+    assert not any(c[0] == "update_weights" for s in run.engines.states.values() for c in s.calls)
+    assert ("release_update_lock", "L0") in run.rollout.calls
+
+
+async def test_eval_every_interval_reopens_admission_after_the_last_step() -> None:
+    run = Run("eval_interval=1")
+    await run.go()
+    assert [c for c in run.rollout.calls if c[0] == "eval"] == [("eval", 0), ("eval", 1)]
+    assert run.actions(1)[-5:] == [
+        "engines.onload(kv_cache)",
+        "admission.resume",
+        "eval.start",
+        "eval.done",
+        "step.done",
+    ]
+    assert run.steps[0].metrics["eval/x/reward_mean"] == 0.5 and run.steps[0].timings.eval_s > 0
+    run = Run("eval_interval=1")
+    run.rollout.eval_available = False
+    assert await run.go() is RunState.FINISHED
+    assert "eval.skipped" in run.actions()
+
+
+async def test_push_and_checkpoint_requests_are_served_at_their_points() -> None:
+    run = Run("num_rollout=3")
+
+    async def ask() -> None:
+        run.push = run.ctx.request_push()
+        run.ckpt = run.ctx.request_checkpoint()
+
+    orig = run.rollout.training_ready
+
+    async def ready() -> Any:
+        await ask()
+        return await orig()
+
+    run.rollout.training_ready = ready  # type: ignore[method-assign]
+    await run.go()
+    assert run.push.result().version == 2 and run.ckpt.result().rollout_id == 0
+    assert [v[0] for name, v in run.rollout.calls if name == "weights_loaded"] == [1, 2, 3, 4, 5]
+    assert sorted(run.backend.checkpoints) == [0, 2]
+
+
+async def test_without_colocation_nothing_sleeps() -> None:
+    run = Run("colocate=false")
+    await run.go()
+    acts = run.actions()
+    assert not any(a.startswith(("engines.offload", "engines.onload", "trainer.sleep")) for a in acts)
+    assert run.rollout.version == 3
+
+
+async def test_flush_interval_aborts_and_flushes_every_nth_version() -> None:
+    run = Run("flush_cache_interval=2", "num_rollout=3")
+    await run.go()
+    modes = [c[1]["mode"] for c in run.engines.states["http://e0"].calls if c[0] == "pause"]
+    assert modes == ["abort", "keep", "abort", "keep"]  # v1 (first push), v2, v3, v4

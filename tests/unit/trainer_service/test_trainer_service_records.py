@@ -1,0 +1,119 @@
+"""The run's record (metrics.jsonl, the per-step log line, report.png, the summary) and the small
+pieces of run set-up: config overrides from a request, per-run checkpoint directories, the stream a
+batch id names, which transport ``auto`` picks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vime_trainer.batches import BatchReadError, stream_run_id
+from vime_trainer.record import RunRecord, step_line
+from vime_trainer.report import draw_report, summarize
+from vime_trainer.runs import override_pairs, run_config
+from vime_trainer.weight_sync import transport_name
+
+from vime.config import load_config
+from vime.service import ServiceError
+from vime.wire.trainer import RunRequest, StepRecord, StepTimings
+
+BASE = ["rollout_num_gpus=0", "actor_num_gpus_per_node=0", "tensor_model_parallel_size=1"]
+
+
+def _step(rollout_id: int, version: int, reward: float, seconds: float) -> StepRecord:
+    phases = {
+        "rollout": seconds,
+        "offload": 0.1,
+        "train": 2 * seconds,
+        "onload_weights": 0.05,
+        "weight_sync": 0.5,
+        "onload_kv": 0.05,
+        "save": 1.0,
+    }
+    return StepRecord(
+        rollout_id=rollout_id,
+        weight_version=version,
+        timings=StepTimings.from_phases(phases),
+        metrics={
+            "rollout/reward_mean": reward,
+            "rollout/reward_std": 0.2,
+            "rollout/response_len_mean": 10.0 + rollout_id,
+            "train/loss": 0.1,
+        },
+        finished_at=1000.0 + rollout_id,
+    )
+
+
+def test_t_step_is_the_sum_of_the_six_phases_and_save_is_not_in_it() -> None:
+    t = _step(0, 2, 0.5, 1.0).timings
+    assert t.step_s == pytest.approx(1.0 + 0.1 + 2.0 + 0.05 + 0.5 + 0.05)
+    assert t.save_s == 1.0
+
+
+def test_metrics_lines_log_line_report_and_summary(tmp_path: Path) -> None:
+    cfg = load_config(overrides=[*BASE, f"output_dir={tmp_path}"], environ={})
+    record = RunRecord(cfg, "r1")
+    for i, (v, reward) in enumerate([(2, 0.1), (3, 0.3), (4, 0.6)]):
+        record.step(_step(i, v, reward, 1.0 + i))
+    record.step(_step(2, 4, 0.7, 3.0))  # a resumed leg redoing rollout 2: the newest line wins
+    lines = [json.loads(x) for x in (tmp_path / "r1" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and lines[0]["perf/T_step"] == pytest.approx(3.7)
+    assert {
+        "perf/T_rollout",
+        "perf/T_offload",
+        "perf/T_train",
+        "perf/T_onload_weights",
+        "perf/T_weight_sync",
+        "perf/T_onload_kv",
+        "perf/T_save",
+    } <= set(lines[0])
+    rows = record.rows()
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2] and rows[2]["rollout/reward_mean"] == 0.7
+    s = summarize(rows)
+    assert (s["steps"], s["first_rollout_id"], s["last_rollout_id"], s["weight_version"]) == (3, 0, 2, 4)
+    assert s["reward_mean_first"] == 0.1 and s["reward_mean_last"] == 0.7
+    assert s["phase_mean_s"]["train"] == pytest.approx((2 + 4 + 6) / 3)
+    assert sum(s["phase_share"].values()) == pytest.approx(1.0, abs=1e-3)
+    png = draw_report(rows, record.report_path, "r1")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert draw_report([], tmp_path / "none.png", "x") is None and summarize([]) == {"steps": 0}
+    line = step_line(_step(3, 5, 0.25, 1.0))
+    assert line.startswith("rollout 3 → v5 | T_step 3.70s = rollout 1.00 + offload 0.10 + train 2.00")
+    assert "reward 0.250±0.200" in line and "len 13.0" in line
+
+
+def test_request_config_goes_on_top_of_the_service_config(tmp_path: Path) -> None:
+    pairs = list(override_pairs({"num_rollout": 3, "trainer": {"lr": 1e-4, "weight_dir": None}, "data": {}}))
+    assert pairs == ["num_rollout=3", "trainer.lr=0.0001", "trainer.weight_dir=null", "data={}"]
+    base = [*BASE, "services.redis_url=redis://r:6379/0", f"trainer.checkpoint_dir={tmp_path}"]
+
+    def load(extra: list[str]) -> object:
+        return load_config(None, [*base, *extra], environ={})
+
+    cfg = run_config(load, RunRequest(run_id="exp1", config={"num_rollout": 3, "eps_clip": 0.3}))  # type: ignore[arg-type]
+    assert cfg.run_id == "exp1" and cfg.num_rollout == 3
+    assert cfg.eps_clip_high == 0.3  # derived values are derived again from the merged config
+    assert cfg.trainer.checkpoint_dir == str(tmp_path / "exp1")
+    with pytest.raises(ServiceError) as err:
+        run_config(load, RunRequest(config={"rollout_batch_size": -1}))  # type: ignore[arg-type]
+    assert err.value.status_code == 422 and "rollout_batch_size" in err.value.message
+    with pytest.raises(ServiceError, match="redis_url"):
+        run_config(lambda extra: load_config(None, [*BASE, *extra], environ={}), RunRequest())
+
+
+def test_stream_of_a_batch_id() -> None:
+    assert stream_run_id("it-1a2b:7:0") == "it-1a2b" and stream_run_id("a:b:3:12") == "a:b"
+    for bad in ("nope", "run:x:0", ":1:0"):
+        with pytest.raises(BatchReadError):
+            stream_run_id(bad)
+
+
+def test_auto_transport_is_ipc_only_for_colocated_gpus() -> None:
+    def pick(*o: str) -> str:
+        return transport_name(load_config(overrides=list(o), environ={}))
+
+    assert pick(*BASE) == "shm"
+    assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8") == "ipc"
+    assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8", "colocate=false") == "shm"
+    assert pick(*BASE, "trainer.weight_transport=ipc") == "ipc"

@@ -1,0 +1,384 @@
+"""In-process stand-ins for what the trainer's run loop drives, recording what was asked of them.
+
+- `FakeEngines`: a FastAPI app with vLLM's control routes (pause, reset_prefix_cache, weight
+  update session, resume) that records every call and can fail on cue; refuses an update while
+  its weights are asleep, as the reference engine does.
+- `FakeRollout`: the rollout manager as `RolloutClient` methods, with its engine bookkeeping
+  (asleep tags, weight versions, needs-weights, the update lock, admission).
+- `FakeBackend`: the trainer ranks (start, train, sleep, save/load) in memory.
+- `FakeTransport` / `FakeBatches`: buckets and Redis batches without Redis or files.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse
+
+from vime.clients.engine import EngineClient
+from vime.wire.rollout import (
+    AdmissionResult,
+    EngineInfo,
+    EnginesStatus,
+    JobState,
+    MemoryResult,
+    RolloutJob,
+    TrainingCompleted,
+    UpdatableEngines,
+)
+
+# --- engines --------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineState:
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    paused: str | None = None
+    update_active: bool = False
+    version: str | None = None
+    weights_asleep: bool = False
+    loaded: list[Any] = field(default_factory=list)
+    reset_failures: int = 0
+    """``/reset_prefix_cache`` answers success=false this many times first."""
+    fail_update_at: int | None = None
+    """``/update_weights`` answers 500 for this bucket index."""
+
+
+class FakeEngines:
+    """Engines behind one ASGI app, told apart by host name (http://e0, http://e1, ...)."""
+
+    def __init__(self, n: int) -> None:
+        self.states = {f"http://e{i}": EngineState() for i in range(n)}
+        self.app = self._build()
+
+    def urls(self) -> list[str]:
+        return list(self.states)
+
+    def client(self, url: str) -> EngineClient:
+        return EngineClient(url, transport=httpx.ASGITransport(app=self.app), retries=0)
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        def state(request: Request) -> EngineState:
+            return self.states[f"http://{request.url.hostname}"]
+
+        def error(status: int, message: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": message}}, status_code=status)
+
+        @app.post("/pause")
+        async def pause(
+            request: Request, mode: str = Query("abort"), clear_cache: str = Query("true")
+        ) -> Any:
+            s = state(request)
+            s.calls.append(("pause", {"mode": mode, "clear_cache": clear_cache}))
+            s.paused = mode
+            return {"status": "paused"}
+
+        @app.post("/reset_prefix_cache")
+        async def reset(request: Request) -> Any:
+            s = state(request)
+            s.calls.append(("reset_prefix_cache", dict(request.query_params)))
+            if s.reset_failures > 0:
+                s.reset_failures -= 1
+                return {"success": False}
+            return {"success": True}
+
+        @app.post("/start_weight_update")
+        async def start(request: Request) -> Any:
+            s = state(request)
+            s.calls.append(("start_weight_update", {}))
+            if s.update_active:
+                return error(400, "already active")
+            s.update_active = True
+            return {"message": "Weight update started"}
+
+        @app.post("/update_weights")
+        async def update(request: Request) -> Any:
+            s = state(request)
+            info = (await request.json())["update_info"]
+            s.calls.append(("update_weights", info))
+            if not s.update_active:
+                return error(400, "start_weight_update must be called first")
+            if s.weights_asleep:
+                return error(400, "weights are asleep")
+            if s.fail_update_at is not None and info.get("index") == s.fail_update_at:
+                return error(500, "worker failed to load the bucket")
+            s.loaded.append(info)
+            return {"message": "Weights updated"}
+
+        @app.post("/finish_weight_update")
+        async def finish(request: Request) -> Any:
+            s = state(request)
+            body = (await request.body()).strip()
+            version = (await request.json()).get("weight_version") if body else None
+            s.calls.append(("finish_weight_update", {"weight_version": version}))
+            if not s.update_active:
+                return error(400, "no active update")
+            s.update_active = False
+            if version is not None:
+                s.version = str(version)
+            return {"message": "Weight update finished"}
+
+        @app.post("/resume")
+        async def resume(request: Request) -> Any:
+            s = state(request)
+            s.calls.append(("resume", {}))
+            s.paused = None
+            return {"status": "resumed"}
+
+        return app
+
+
+# --- weights --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeBucket:
+    index: int
+    nbytes: int = 100
+    num_tensors: int = 2
+
+    def update_info(self, engine: EngineInfo) -> dict[str, Any]:
+        return {"backend": "fake", "index": self.index, "engine": engine.url}
+
+
+class FakeTransport:
+    """``n`` buckets; records when each is released (the next one asked for) and closes."""
+
+    name = "fake"
+
+    def __init__(self, n: int = 3, on_bucket: Callable[[int], None] | None = None) -> None:
+        self.n = n
+        self.released: list[int] = []
+        self.closed = 0
+        self.on_bucket = on_bucket
+
+    def buckets(self, engines: Sequence[EngineInfo]) -> Iterator[FakeBucket]:
+        try:
+            for i in range(self.n):
+                if self.on_bucket is not None:
+                    self.on_bucket(i)
+                try:
+                    yield FakeBucket(i)
+                finally:
+                    self.released.append(i)
+        finally:
+            self.closed += 1
+
+
+# --- rollout manager --------------------------------------------------------------------------
+
+
+def engine_info(url: str, index: int, **kw: Any) -> EngineInfo:
+    return EngineInfo(index=index, url=url, backend="fake", status="ready", registered=True, **kw)
+
+
+class FakeRollout:
+    """The rollout manager's REST surface as the trainer's `RolloutClient` exposes it."""
+
+    def __init__(self, urls: list[str], *, offloaded: bool = True, version: int = 0) -> None:
+        tags = ["kv_cache", "weights"] if offloaded else []
+        self.engines_ = [
+            engine_info(u, i, weight_version=version, asleep=list(tags)) for i, u in enumerate(urls)
+        ]
+        self.version = version
+        self.calls: list[tuple[str, Any]] = []
+        self.admission_paused = False
+        self.data = {"epoch": 0, "sample_group_index": 0}
+        self.lease = itertools.count()
+        self.eval_available = True
+        self.keep_asleep: set[str] = set()
+        """Engines whose weights stay asleep whatever is asked (a broken wake)."""
+
+    def _status(self) -> EnginesStatus:
+        return EnginesStatus(
+            engines=[e.model_copy() for e in self.engines_],
+            weight_version=self.version,
+            health_monitor_paused=False,
+            update_lock_held=False,
+        )
+
+    async def engines(self) -> EnginesStatus:
+        return self._status()
+
+    async def rollout(
+        self, rollout_id: int, *, evaluation: bool = False, dp_size: int | None = None
+    ) -> RolloutJob:
+        self.calls.append(("eval" if evaluation else "rollout", rollout_id))
+        if evaluation and not self.eval_available:
+            from vime.clients.base import ServiceCallError
+
+            raise ServiceCallError("POST", "/v1/rollouts", 400, "no eval dataset configured")
+        if self.admission_paused:
+            raise AssertionError("rollout while admission is paused")
+        if any(e.asleep for e in self.engines_):
+            raise AssertionError("rollout while engines are offloaded")
+        if evaluation:
+            return RolloutJob(
+                job_id=f"e{rollout_id}",
+                rollout_id=rollout_id,
+                evaluation=True,
+                state=JobState.DONE,
+                metrics={"eval/x/reward_mean": 0.5},
+            )
+        self.data["sample_group_index"] += 2
+        return RolloutJob(
+            job_id=f"j{rollout_id}",
+            rollout_id=rollout_id,
+            state=JobState.DONE,
+            batch_id=f"run:{rollout_id}:0",
+            num_samples=8,
+            dp_size=dp_size,
+            weight_version=self.version,
+            metrics={
+                "rollout/reward_mean": 0.25 * rollout_id,
+                "rollout/reward_std": 0.1,
+                "rollout/response_len_mean": 5.0,
+            },
+        )
+
+    async def offload(self, level: int | None = None) -> MemoryResult:
+        self.calls.append(("offload", level))
+        for e in self.engines_:
+            e.asleep = ["kv_cache", "weights"]
+        return MemoryResult(action="offload", level=2, results={e.url: "ok" for e in self.engines_})
+
+    async def onload(self, tags: list[str] | None = None) -> MemoryResult:
+        self.calls.append(("onload", tags))
+        sent = [t for t in (tags or ["weights", "kv_cache"]) if t in ("weights", "kv_cache")]
+        for e in self.engines_:
+            if e.url not in self.keep_asleep:
+                e.asleep = [t for t in e.asleep if t not in sent]
+        return MemoryResult(action="onload", tags_sent=sent, results={e.url: "ok" for e in self.engines_})
+
+    async def update_lock(self, ttl_s: float = 600.0) -> UpdatableEngines:
+        self.calls.append(("update_lock", None))
+        live = [e.model_copy() for e in self.engines_ if e.status in ("ready", "needs_weights")]
+        return UpdatableEngines(
+            lease_id=f"L{next(self.lease)}",
+            engines=live,
+            num_new_engines=sum(e.needs_weights for e in live),
+            weight_version=self.version,
+        )
+
+    async def release_update_lock(self, lease_id: str) -> None:
+        self.calls.append(("release_update_lock", lease_id))
+
+    async def weights_loaded(
+        self, version: int, *, lease_id: str | None = None, engine_urls: list[str] | None = None
+    ) -> EnginesStatus:
+        self.calls.append(("weights_loaded", (version, tuple(engine_urls or ()))))
+        if version < self.version:
+            raise AssertionError(f"version {version} older than {self.version}")
+        self.version = version
+        for e in self.engines_:
+            if engine_urls is None or e.url in engine_urls:
+                e.weight_version, e.needs_weights, e.status = version, False, "ready"
+        return self._status()
+
+    async def pause_admission(self) -> AdmissionResult:
+        self.calls.append(("pause_admission", None))
+        self.admission_paused = True
+        return AdmissionResult(was_paused=True, paused=True)
+
+    async def resume_admission(self, was_paused: bool = True) -> AdmissionResult:
+        self.calls.append(("resume_admission", was_paused))
+        if was_paused:
+            self.admission_paused = False
+        return AdmissionResult(was_paused=was_paused, paused=self.admission_paused)
+
+    async def training_ready(self) -> dict[str, Any]:
+        self.calls.append(("training_ready", None))
+        return {"training_ready": True}
+
+    async def training_completed(self, rollout_id: int) -> TrainingCompleted:
+        self.calls.append(("training_completed", rollout_id))
+        return TrainingCompleted(rollout_id=rollout_id, pending_batches=0)
+
+    async def data_state(self) -> dict[str, Any]:
+        return dict(self.data)
+
+    async def set_data_state(self, state: dict[str, Any]) -> None:
+        self.calls.append(("set_data_state", state))
+        self.data = dict(state)
+
+
+# --- trainer ------------------------------------------------------------------------------------
+
+
+class FakeBackend:
+    """The trainer ranks in memory: checkpoints are kept in a dict, like `ActorGroup`'s files."""
+
+    def __init__(self, dp_size: int = 1, checkpoints: dict[int, dict[str, Any]] | None = None) -> None:
+        self.dp_size = dp_size
+        self.calls: list[str] = []
+        self.asleep = False
+        self.checkpoints = checkpoints if checkpoints is not None else {}
+        self.on_train: Callable[[int], None] | None = None
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def train(self, rollout_id: int, rank_batches: Sequence[Any]) -> list[dict[str, float]]:
+        self.calls.append(f"train {rollout_id}")
+        self.asleep = False
+        if self.on_train is not None:
+            self.on_train(rollout_id)
+        return [{"loss": 0.5, "grad_norm": 1.0}]
+
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+        self.asleep = True
+
+    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
+        self.calls.append(f"save {rollout_id}")
+        self.asleep = False
+        self.checkpoints[rollout_id] = {
+            "rollout_id": rollout_id,
+            "next_rollout_id": rollout_id + 1,
+            "run_state": run_state,
+        }
+        return f"ckpt/rollout_{rollout_id:07d}"
+
+    def load(self, path: str | None = None) -> dict[str, Any] | None:
+        self.calls.append("load")
+        if not self.checkpoints:
+            return None
+        return self.checkpoints[max(self.checkpoints)]
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+@dataclass
+class FakeShare:
+    batch_id: str
+    rollout_id: int
+    weight_versions: np.ndarray
+    num_samples: int = 4
+
+
+class FakeBatches:
+    """Batches as the rollout stamped them (the version the engines held), without Redis."""
+
+    def __init__(self, rollout: FakeRollout, dp_size: int) -> None:
+        self.rollout = rollout
+        self.dp_size = dp_size
+        self.acked: list[str] = []
+
+    async def read(self, batch_id: str, rollout_id: int, timeout_s: float = 0) -> list[FakeShare]:
+        v = np.full(4, self.rollout.version, dtype=np.int32)
+        return [FakeShare(batch_id, rollout_id, v) for _ in range(self.dp_size)]
+
+    async def ack(self, batch_id: str) -> None:
+        self.acked.append(batch_id)
+
+    async def aclose(self) -> None:
+        pass

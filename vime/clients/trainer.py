@@ -1,0 +1,83 @@
+"""Typed async client of the trainer service (used by the `vime` CLI and the tests).
+
+One method per route. State-changing calls carry the bearer token; `wait_run` polls a run until
+it leaves the running states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from vime.clients.base import ServiceClient
+from vime.wire.trainer import (
+    ACTIVE_STATES,
+    Accepted,
+    CheckpointResult,
+    PushResult,
+    RunEvents,
+    RunList,
+    RunStatus,
+)
+
+
+class TrainerClient(ServiceClient):
+    """``await client.start_run({"num_rollout": 3})`` → the new run's `RunStatus`."""
+
+    async def start_run(
+        self, config: dict[str, Any] | None = None, *, run_id: str | None = None
+    ) -> RunStatus:
+        """Start a run (409 while another one is active); ``config`` overrides the service's config."""
+        body: dict[str, Any] = {"config": config or {}}
+        if run_id is not None:
+            body["run_id"] = run_id
+        out = await self.request("POST", "/v1/runs", json=body, expect=(201,))
+        return RunStatus.model_validate(out)
+
+    async def run(self, run_id: str) -> RunStatus:
+        return RunStatus.model_validate(await self.request("GET", f"/v1/runs/{run_id}", idempotent=True))
+
+    async def runs(self) -> RunList:
+        return RunList.model_validate(await self.request("GET", "/v1/runs", idempotent=True))
+
+    async def events(self, run_id: str, since: int = 0) -> RunEvents:
+        out = await self.request("GET", f"/v1/runs/{run_id}/events", params={"since": since}, idempotent=True)
+        return RunEvents.model_validate(out)
+
+    async def stop(self, run_id: str) -> RunStatus:
+        """Ask the run to finish its current step, checkpoint and stop (returns at once)."""
+        out = await self.request("POST", f"/v1/runs/{run_id}/stop", expect=(202,))
+        return RunStatus.model_validate(out)
+
+    async def wait_run(
+        self, run_id: str, *, timeout_s: float | None = None, poll_s: float = 1.0
+    ) -> RunStatus:
+        """Poll until the run is finished, stopped or failed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            status = await self.run(run_id)
+            if status.state not in ACTIVE_STATES:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"run {run_id} still {status.state} in phase {status.phase} after {timeout_s}s"
+                )
+            await asyncio.sleep(poll_s)
+
+    async def push_weights(self, *, wait: bool = True) -> PushResult | Accepted:
+        """Push the active run's weights at its next step boundary (version + 1)."""
+        out = await self.request(
+            "POST", "/v1/weights/push", json={"wait": wait}, timeout=None if wait else ..., expect=(200, 202)
+        )
+        return PushResult.model_validate(out) if wait else Accepted.model_validate(out)
+
+    async def checkpoint(self, *, wait: bool = True) -> CheckpointResult | Accepted:
+        """Checkpoint the active run after its current step's training."""
+        out = await self.request(
+            "POST", "/v1/checkpoints", json={"wait": wait}, timeout=None if wait else ..., expect=(200, 202)
+        )
+        return CheckpointResult.model_validate(out) if wait else Accepted.model_validate(out)
+
+    async def health(self) -> dict[str, Any]:
+        return dict(await self.request("GET", "/health", idempotent=True))
