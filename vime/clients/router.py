@@ -73,10 +73,19 @@ class RouterClient(ServiceClient):
         self, engine_id: str, *, timeout_s: float = 600.0, poll_s: float = 0.5
     ) -> EngineStatus:
         """Drain, then wait until the engine reports nothing in flight."""
-        status = await self.drain(engine_id)
+        await self.drain(engine_id)
+        status = await self.engine(engine_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while status.in_flight != 0:
+            if status.in_flight is None:
+                raise ServiceCallError(
+                    "GET",
+                    f"{self.base_url}/v1/engines/{engine_id}",
+                    200,
+                    "the engine does not report vllm:num_requests_running/_waiting in /metrics; "
+                    "its in-flight requests cannot be watched",
+                )
             if loop.time() > deadline:
                 raise TimeoutError(
                     f"engine {engine_id} still has {status.in_flight} requests after {timeout_s}s"
