@@ -34,10 +34,19 @@ async def upstream() -> AsyncIterator[Upstream]:
     """A recording stand-in for vllm-router: echoes what it received."""
     up = Upstream(procs.free_port())
 
-    async def handler(request: web.Request) -> web.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         record = {"method": request.method, "path": request.raw_path, "headers": dict(request.headers)}
         up.seen.append({**record, "body": body})
+        if request.headers.get("x-stream"):  # an SSE stream, chunked, written in pieces
+            stream = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await stream.prepare(request)
+            for i in range(3):
+                await stream.write(b'data: {"token_ids": [%d]}\n\n' % i)
+                await asyncio.sleep(0.02)
+            await stream.write(b"data: [DONE]\n\n")
+            await stream.write_eof()
+            return stream
         headers = {"Connection": "close"} if request.headers.get("x-close") else None
         return web.json_response({**record, "body": body.decode()}, headers=headers)
 
@@ -252,3 +261,17 @@ async def test_bodies_over_the_limit_are_413_declared_or_chunked(upstream: Upstr
     finally:
         server.close()
     assert all(s["body"] != chunk * 2 for s in upstream.seen)
+
+
+async def test_streamed_responses_pass_through_and_are_counted(
+    gate: tuple[Gate, int], upstream: Upstream
+) -> None:
+    _, port = gate
+    raw = await exchange(
+        port, post("/inference/v1/generate", extra="x-stream: 1\r\n") + post("/pause", b"{}")
+    )
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"chunked" in head.lower()
+    stream, _, refusal = rest.partition(b"0\r\n\r\n")  # the 404 comes only after the stream's last chunk
+    assert stream.count(b"data: ") == 4 and b"[DONE]" in stream
+    assert refusal.startswith(b"HTTP/1.1 404 ")
