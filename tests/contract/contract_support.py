@@ -20,6 +20,7 @@ weight transport                shm safetensors files  CUDA IPC         CUDA IPC
 memory check                    /debug/memory (RSS)    nvidia-smi       nvidia-smi
 log-prob tolerance vs HF fp32   1e-3                   0.15 (bf16)      0.15 (bf16)
 same tokens whatever the batch  exact                  not asserted     not asserted
+/metrics in-flight gauges       exact values           present: n/t     present: n/t
 ==============================  =====================  ===============  ============================
 
 "n/t": not tested against that engine (the reference-engine side is). Everything else in the

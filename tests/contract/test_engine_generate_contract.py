@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import httpx
 import torch
 from contract_support import EngineUnderTest, HFReference, debug_state, greedy
 
@@ -208,3 +209,32 @@ async def test_top_k_and_top_p_restrict_what_is_sampled(
         tokens = [r.token_ids[0] for r in firsts]
         assert all(lp[t] >= floor - tol for t in tokens), (extra, tokens)
         assert len(set(tokens)) >= 2, f"{extra}: 48 seeds all drew {tokens[0]}"
+
+
+def _gauges(text: str) -> dict[str, float]:
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_metrics_report_requests_in_flight(engine: EngineClient, eut: EngineUnderTest) -> None:
+    """The router drains an engine by reading these two vLLM gauges from /metrics."""
+    async with httpx.AsyncClient(base_url=eut.url, timeout=30) as c:
+        text = (await c.get("/metrics")).text
+        assert "vllm:num_requests_running" in text and "vllm:num_requests_waiting" in text
+        if not eut.profile.reference:  # vLLM refreshes them per engine step: only their presence is checked
+            return
+        await engine.pause("keep")
+        held = [asyncio.create_task(engine.generate(PROMPT, {"max_tokens": 2})) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        assert _gauges((await c.get("/metrics")).text)["vllm:num_requests_waiting"] == 3
+        await engine.resume()
+        await asyncio.gather(*held)
+        assert _gauges((await c.get("/metrics")).text) == {
+            "vllm:num_requests_running": 0.0,
+            "vllm:num_requests_waiting": 0.0,
+        }

@@ -1,8 +1,8 @@
 """vLLM 0.26's HTTP API, served by the reference engine: the app, generate and the identity routes.
 
 Same paths, query parameters and bodies as ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``: the
-token-in/token-out generate route, ``/health`` (200, empty), ``/v1/models``, and (in
-`control_routes`) sleep/wake, pause/resume and the weight updates. ``GET /version`` reports the
+token-in/token-out generate route, ``/health`` (200, empty), ``/v1/models``, ``/metrics`` (the vLLM
+gauges the router reads), and (in `control_routes`) sleep/wake, pause/resume and weight updates. ``GET /version`` reports the
 vLLM API version emulated plus ``"engine": "vime-reference"``, so that a client can tell the
 stand-in from the real thing. Errors use vLLM's shape (`errors`).
 """
@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from .control_routes import add_control_routes, core_of
 from .engine_core import EngineCore
 from .errors import EngineError, install_error_handlers
+from .metrics import add_metrics_route
 from .protocol import GenerateRequest
 from .responses import generate_response, models_response
 from .sequence import Request as EngineRequest
@@ -131,6 +132,7 @@ def build_app(core_factory: Any, served: ServedModel) -> FastAPI:
         return models_response(served.name, served.root, served.max_model_len, served.created)
 
     add_control_routes(app)
+    add_metrics_route(app, served.name)
     return app
 
 
