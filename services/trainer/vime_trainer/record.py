@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +114,3 @@ def _wandb(cfg: RunConfig, run_id: str) -> Any:
     return wandb.init(
         project="vime", name=run_id, id=run_id, resume="allow", config=cfg.model_dump(mode="json")
     )
-
-
-def now() -> float:
-    return time.time()

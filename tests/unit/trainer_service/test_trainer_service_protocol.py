@@ -120,3 +120,13 @@ async def test_no_engines_no_calls_and_no_buckets_is_an_error() -> None:
     assert report.buckets == 0 and engines.states["http://e0"].calls == []
     with pytest.raises(WeightSyncError, match="produced no weight bucket"):
         await sync.push(_infos(engines), version=1, flush=True)
+
+
+async def test_a_transport_with_an_init_body_initialises_every_engine_before_the_session() -> None:
+    engines = FakeEngines(2)
+    sync, _ = _sync(engines, FakeTransport(1, init_info={}))
+    await sync.push(_infos(engines), version=1, flush=False)
+    for s in engines.states.values():
+        names = [c[0] for c in s.calls]
+        assert names[:3] == ["pause", "init_weight_transfer_engine", "start_weight_update"]
+        assert s.calls[1][1] == {}

@@ -117,3 +117,21 @@ def test_auto_transport_is_ipc_only_for_colocated_gpus() -> None:
     assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8") == "ipc"
     assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8", "colocate=false") == "shm"
     assert pick(*BASE, "trainer.weight_transport=ipc") == "ipc"
+
+
+def test_tensorboard_asked_for_but_missing_is_a_warning_not_a_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("torch")
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("tensorboard is installed here: nothing to warn about")
+    cfg = load_config(overrides=[*BASE, f"output_dir={tmp_path}", "log_tensorboard=true"], environ={})
+    with caplog.at_level("WARNING"):
+        record = RunRecord(cfg, "tb")
+        record.step(_step(0, 2, 0.5, 1.0))
+    assert "tensorboard is not installed" in caplog.text
+    assert len(record.rows()) == 1

@@ -90,6 +90,11 @@ class FakeEngines:
                 return {"success": False}
             return {"success": True}
 
+        @app.post("/init_weight_transfer_engine")
+        async def init(request: Request) -> Any:
+            state(request).calls.append(("init_weight_transfer_engine", (await request.json())["init_info"]))
+            return {"message": "Weight transfer initialized"}
+
         @app.post("/start_weight_update")
         async def start(request: Request) -> Any:
             s = state(request)
@@ -154,8 +159,14 @@ class FakeTransport:
 
     name = "fake"
 
-    def __init__(self, n: int = 3, on_bucket: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        n: int = 3,
+        on_bucket: Callable[[int], None] | None = None,
+        init_info: dict[str, Any] | None = None,
+    ) -> None:
         self.n = n
+        self.init_info = init_info
         self.released: list[int] = []
         self.closed = 0
         self.on_bucket = on_bucket

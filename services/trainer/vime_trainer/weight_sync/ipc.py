@@ -41,6 +41,8 @@ class IpcTransport:
     def __init__(self, group: RankActors, packed: bool = True) -> None:
         self.group = group
         self.packed = packed
+        self.init_info: dict[str, Any] | None = {}
+        """vLLM 0.26's IPC engine takes no init fields (a no-op, sent as its own helper does)."""
 
     def buckets(self, engines: Sequence[EngineInfo]) -> Iterator[IpcBucket]:
         ranks = [RankGpu(**r) for r in call_on_ranks(self.group, ipc_rank.ipc_open, self.packed)]

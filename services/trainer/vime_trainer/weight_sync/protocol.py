@@ -3,7 +3,8 @@
 46 pause: ``abort`` when this version flushes (in-flight requests die, new ones wait), else
    ``keep`` (frozen in place); then, when flushing, ``/reset_prefix_cache`` with running requests
    reset — retried once a second, up to 60 times, while blocks are still held;
-47 ``/start_weight_update``;
+47 ``/start_weight_update`` (after ``/init_weight_transfer_engine`` when the transport has an
+   init body: IPC sends ``{}``, as vLLM's helper does; a no-op in 0.26);
 48–50 one ``/update_weights`` per bucket, the same bucket to every engine concurrently, the next
    bucket only once all of them loaded this one;
 51 ``/finish_weight_update {"weight_version": "<v>"}`` (0.33 and the reference engine keep the
@@ -89,6 +90,9 @@ class WeightSync:
             if flush:
                 await self._phase(report, "flush", clients, self._reset_prefix_cache)
                 self.on_event("weights.flush")
+            init_info = getattr(self.transport, "init_info", None)
+            if init_info is not None:
+                await self._phase(report, "init", clients, lambda c: c.init_weight_transfer_engine(init_info))
             await self._phase(report, "start", clients, lambda c: c.start_weight_update())
             self.on_event("weights.start")
             try:

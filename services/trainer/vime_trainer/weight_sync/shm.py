@@ -39,6 +39,7 @@ class ShmTransport:
     """Buckets as files; every engine gets the same ``update_info``."""
 
     name = "shm"
+    init_info: dict[str, Any] | None = None
 
     def __init__(self, writer: BucketWriter, directory: str | None = None) -> None:
         self.writer = writer

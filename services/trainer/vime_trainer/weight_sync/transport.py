@@ -34,6 +34,8 @@ class WeightTransport(Protocol):
     """How weights travel from the trainer ranks to the engines."""
 
     name: str
+    init_info: dict[str, Any] | None
+    """``/init_weight_transfer_engine`` body sent before each update session (None: not sent)."""
 
     def buckets(self, engines: Sequence[EngineInfo]) -> Iterator[OutgoingBucket]:
         """The model's buckets in order; blocking (the protocol runs it in a worker thread)."""
