@@ -31,7 +31,7 @@ def reference_only(eut: EngineUnderTest) -> EngineUnderTest:
     return eut
 
 
-def test_help_says_it_is_the_cpu_stand_in_for_vllm() -> None:
+def test_help_says_it_is_the_cpu_stand_in_for_vllm(reference_only: EngineUnderTest) -> None:
     out = subprocess.run([sys.executable, "-m", MODULE, "--help"], capture_output=True, text=True, check=True)
     assert "CPU stand-in for vLLM" in out.stdout
     for flag in (
