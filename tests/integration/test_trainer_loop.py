@@ -13,182 +13,35 @@ an engine killed between the two legs receiving the weights before it serves aga
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import json
 import os
-import random
 import signal
-import threading
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
+from test_trainer_support import (
+    AUTH,
+    PUSH,
+    EngineWatch,
+    Stack,
+    actions,
+    call,
+    check_engine_states,
+    check_step_order,
+    probe,
+    run_events,
+    safe_engines,
+    start_stack,
+    stop_children,
+    wait_first_step,
+)
 
-from vime import procs
-from vime.clients.trainer import TrainerClient
 from vime.wire.trainer import STEP_PHASES
 
 pytestmark = pytest.mark.slow
-
-TOKEN = "it-trainer-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-REWARD_MODULE = """
-import zlib
-
-
-def reward(req):
-    return float(zlib.crc32((req.response or "").encode()) % 2)
-"""
-PROBE = {
-    "token_ids": [5, 17, 30, 41, 52, 9],
-    "sampling_params": {"max_tokens": 12, "temperature": 0.0, "logprobs": 1},
-}
-
-
-def _free_pair() -> int:
-    """Two consecutive free ports below the ephemeral range, where no other child's port is picked."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 30000)
-        if not (procs.port_open("127.0.0.1", base) or procs.port_open("127.0.0.1", base + 1)):
-            return base
-    raise RuntimeError("no two consecutive free ports")
-
-
-def _config(work: Path, redis_url: str, tp: int) -> dict[str, Any]:
-    prompts = work / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i % 7}=", "label": "x"}) + "\n" for i in range(40))
-    )
-    (work / "trainer_it_rewards.py").write_text(REWARD_MODULE)
-    ports = {n: procs.free_port() for n in ("router", "router_control", "reward", "rollout", "trainer")}
-    return {
-        "run_id": f"it-{uuid.uuid4().hex[:8]}",
-        "output_dir": str(work / "runs"),
-        "rollout_batch_size": 2,
-        "n_samples_per_prompt": 4,
-        "rollout_max_prompt_len": 16,
-        "rollout_max_response_len": 12,
-        "rollout_max_context_len": 64,
-        "rollout_num_gpus": 0,
-        "rollout_num_engines_cpu": 2,
-        "vllm_server_concurrency": 8,
-        "actor_num_gpus_per_node": 0,
-        "actor_num_cpu_ranks": tp,
-        "tensor_model_parallel_size": tp,
-        "micro_batch_size": 4,
-        "num_rollout": 3,
-        "colocate": True,
-        "model": {"tiny_model_size": "micro"},
-        "data": {"prompt_data": str(prompts), "rollout_shuffle": False},
-        "reward": {"custom_rm_path": "trainer_it_rewards:reward", "num_workers": 1},
-        "engine": {"backend": "reference", "base_port": _free_pair(), "startup_timeout_s": 300},
-        "router": {"health_check_interval_s": 0.5},
-        "trainer": {"lr": 3e-3, "checkpoint_dir": str(work / "ckpt"), "weight_dir": str(work / "shm")},
-        "services": {
-            "host": "127.0.0.1",
-            **{f"{k}_port": v for k, v in ports.items()},
-            "redis_url": redis_url,
-            "api_token": TOKEN,
-        },
-    }
-
-
-@dataclass
-class Stack:
-    cfg: dict[str, Any]
-    work: Path
-    rollout_url: str
-    trainer_url: str
-    children: list[procs.Child]
-
-    def trainer(self) -> TrainerClient:
-        return TrainerClient(self.trainer_url, token=TOKEN)
-
-    def engines(self) -> list[dict[str, Any]]:
-        return list(httpx.get(self.rollout_url + "/v1/engines", timeout=30).json()["engines"])
-
-
-@dataclass
-class EngineWatch:
-    """Polls every engine's own state (the reference engine's /debug/state) while a run goes on."""
-
-    urls: list[str]
-    seen: dict[str, list[tuple[tuple[str, ...], str | None]]] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> EngineWatch:
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.thread.join(10)
-
-    def _poll(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._stop.is_set():
-                for url in self.urls:
-                    with contextlib.suppress(httpx.HTTPError, ValueError):
-                        s = client.get(url + "/debug/state").json()
-                        obs = (tuple(s["sleeping_tags"]), s["weight_version"])
-                        seq = self.seen.setdefault(url, [])
-                        if not seq or seq[-1] != obs:
-                            seq.append(obs)
-                time.sleep(0.01)
-
-
-def _start_stack(work: Path, redis_url: str, tp: int, models: Path) -> Stack:
-    cfg = _config(work, redis_url, tp)
-    cfg_path = work / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    logs, s = work / "logs", cfg["services"]
-    env = {
-        "VIME_MODEL_CACHE": str(models),
-        "PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")]),
-    }
-    children: list[procs.Child] = []
-
-    def start(name: str, module: str, *extra: str) -> procs.Child:
-        argv = procs.python_module(module, "--config", str(cfg_path), *extra)
-        children.append(procs.start(name, argv, log_path=logs / f"{name}.log", env=env))
-        return children[-1]
-
-    try:
-        reward, router = (
-            start("reward", "vime_reward"),
-            start("router", "vime_router", "--log-dir", str(logs)),
-        )
-        trainer = start("trainer", "vime_trainer")
-        procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
-        procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
-        manager = start("rollout", "vime_rollout", "--log-dir", str(logs))
-        rollout_url, trainer_url = (
-            f"http://127.0.0.1:{s['rollout_port']}",
-            f"http://127.0.0.1:{s['trainer_port']}",
-        )
-        procs.wait_healthy(trainer_url, trainer, timeout_s=120)
-        procs.wait_healthy(rollout_url, manager, timeout_s=300)
-    except BaseException:
-        _stop(children, [])
-        raise
-    return Stack(cfg, work, rollout_url, trainer_url, children)
-
-
-def _stop(children: list[procs.Child], engine_pids: list[int]) -> None:
-    for child in reversed(children):
-        child.stop(grace_s=30)
-    for pid in engine_pids:  # in case the manager could not stop them itself
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -196,7 +49,7 @@ def stack(
     request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     tp = request.param
-    st = _start_stack(
+    st = start_stack(
         tmp_path_factory.mktemp(f"trainer-it-tp{tp}"),
         redis_url,
         tp,
@@ -207,198 +60,106 @@ def stack(
         pids = [e["pid"] for e in st.engines()]
         yield st
     finally:
-        pids += [e["pid"] for e in _safe_engines(st)]
-        _stop(st.children, pids)
-
-
-def _safe_engines(st: Stack) -> list[dict[str, Any]]:
-    with contextlib.suppress(Exception):
-        return st.engines()
-    return []
-
-
-def _probe(url: str) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their log-probs for a fixed prompt: the same weights answer the same."""
-    out = httpx.post(url + "/inference/v1/generate", json=PROBE, timeout=60).json()["choices"][0]
-    return out["token_ids"], [round(c["logprob"], 5) for c in out["logprobs"]["content"]]
-
-
-def _events(stack: Stack, run_id: str) -> list[dict[str, Any]]:
-    return [e.model_dump() for e in asyncio.run(_call(stack, lambda c: c.events(run_id))).events]
-
-
-async def _call(stack: Stack, fn: Any) -> Any:
-    async with stack.trainer() as c:
-        return await fn(c)
-
-
-def _actions(events: list[dict[str, Any]], rollout_id: int | None) -> list[str]:
-    out: list[str] = []
-    for e in events:
-        if e["rollout_id"] != rollout_id or e["action"] == "run.stop_requested":
-            continue
-        name = e["action"] + (f"({','.join(e['detail']['tags'])})" if "tags" in e["detail"] else "")
-        if not out or not (name == out[-1] == "weights.update"):
-            out.append(name)
-    return out
-
-
-PUSH = [
-    "weights.push",
-    "weights.pause",
-    "weights.flush",
-    "weights.start",
-    "weights.update",
-    "weights.finish",
-    "weights.resume",
-    "weights.loaded",
-]
-STEP = [
-    "rollout.start",
-    "rollout.done",
-    "engines.offload",
-    "trainer.train",
-    "trainer.sleep",
-    "rollout.training_completed",
-]
-SYNC = ["engines.onload(weights)", "admission.pause", *PUSH]
-ALLOWED = {
-    ((), ("kv_cache", "weights")),
-    (("kv_cache", "weights"), ("kv_cache",)),
-    (("kv_cache",), ()),
-    (("kv_cache", "weights"), ()),
-}
-"""Engine sleep-state moves: offload; weights wake; KV wakes (or both, when a poll missed the middle)."""
-
-
-def _check_step_order(events: list[dict[str, Any]], rollout_id: int, *, saved: str) -> None:
-    """The step's actions in the seed's order; ``saved``: where its checkpoint is (``after_train``,
-    where the trainer is awake and the engines asleep; ``after_step`` for a stop that came later;
-    ``either``; ``no``)."""
-    got = _actions(events, rollout_id)
-    resume = [] if rollout_id == 2 else ["admission.resume"]
-    body = [*SYNC, *resume, "engines.onload(kv_cache)", "step.done"]
-    save = ["trainer.save", "trainer.sleep"]
-    after_train, after_step = [*STEP, *save, *body], [*STEP, *body, *save]
-    want = {
-        "after_train": [after_train],
-        "after_step": [after_step],
-        "either": [after_train, after_step],
-        "no": [[*STEP, *body]],
-    }[saved]
-    assert got in want, got
-
-
-def _check_engine_states(watch: EngineWatch) -> None:
-    for url, seq in watch.seen.items():
-        states = [tags for tags, _ in seq]
-        assert ("weights",) not in states, f"{url}: KV awake while weights asleep: {seq}"
-        moves = {(a, b) for a, b in itertools.pairwise(states) if a != b}
-        assert moves <= ALLOWED, f"{url}: unexpected sleep-state moves {moves - ALLOWED}: {seq}"
-        versions = [int(v) for _, v in seq if v is not None]
-        assert versions == sorted(versions), f"{url}: versions went back: {seq}"
-
-
-def _wait_first_step(stack: Stack, run_id: str) -> None:
-    """Until the loop is past start-up (on rollout 0, or 1 on a slow poll)."""
-    deadline = time.monotonic() + 600
-    with httpx.Client(timeout=10) as client:
-        while time.monotonic() < deadline:
-            s = client.get(f"{stack.trainer_url}/v1/runs/{run_id}").json()
-            assert s["state"] in ("running", "stopping"), s
-            if s["rollout_id"] is not None:
-                return
-            time.sleep(0.02)
-    raise AssertionError("the run never got past start-up")
+        pids += [e["pid"] for e in safe_engines(st)]
+        stop_children(st.children, pids)
 
 
 def test_run_stop_and_resume_over_rest(stack: Stack) -> None:
     run_id = stack.cfg["run_id"]
-    engine_urls = [e["url"] for e in stack.engines()]
+    urls = [e["url"] for e in stack.engines()]
     assert all(set(e["asleep"]) == {"weights", "kv_cache"} for e in stack.engines())  # colocated start
+    k, probe_a = leg_a_stops_during_its_first_steps(stack, run_id, urls)
+    engine_dies_between_legs(stack)
+    leg_b_resumes_at_the_next_rollout(stack, run_id, urls, k)
+    versions_and_record(stack, run_id, urls)
+    probe_b = probe(urls[0])
+    assert probe_b != probe_a and probe(urls[1]) == probe_b  # the engines generate with the new weights
 
-    # --- leg A: start over REST, stop as soon as the first step runs -------------------------------
-    with EngineWatch(engine_urls) as watch_a:
-        started = asyncio.run(_call(stack, lambda c: c.start_run(run_id=run_id)))
+
+def leg_a_stops_during_its_first_steps(stack: Stack, run_id: str, urls: list[str]) -> tuple[int, object]:
+    """Start over REST, stop as soon as the loop is past start-up; returns the step it stopped after."""
+    with EngineWatch(urls) as watch:
+        started = asyncio.run(call(stack, lambda c: c.start_run(run_id=run_id)))
         assert started.state == "running" and started.num_rollout == 3
         dup = httpx.post(stack.trainer_url + "/v1/runs", json={"run_id": "other"}, headers=AUTH)
         assert dup.status_code == 409
-        _wait_first_step(stack, run_id)
+        wait_first_step(stack, run_id)
         assert httpx.post(f"{stack.trainer_url}/v1/runs/{run_id}/stop", headers=AUTH).status_code == 202
-        a = asyncio.run(_call(stack, lambda c: c.wait_run(run_id, timeout_s=600, poll_s=0.5)))
+        a = asyncio.run(call(stack, lambda c: c.wait_run(run_id, timeout_s=600, poll_s=0.5)))
     assert a.state == "stopped", a.error
     k = (a.next_rollout_id or 0) - 1  # the step the stop landed in: 0, or 1 when the poll was slow
     assert k in (0, 1) and (a.start_rollout_id, a.steps_done) == (0, k + 1)
     assert a.checkpoint and (Path(a.checkpoint) / "vime_state.json").is_file()
     saved = json.loads((Path(a.checkpoint) / "vime_state.json").read_text())
     assert saved["next_rollout_id"] == k + 1 and saved["run_state"]["weight_version"] == k + 2
+    assert saved["run_state"]["data_state"]["sample_group_index"] == 2 * (k + 1)  # 2 prompts a rollout
     assert a.weight_version == k + 2 and a.last_step is not None
     t = a.last_step.timings
     parts = [getattr(t, f"{p}_s") for p in STEP_PHASES]
     assert all(p > 0 for p in parts) and t.step_s == pytest.approx(sum(parts))
-    assert (
-        a.last_step.metrics["batch/weight_version_min"]
-        == a.last_step.metrics["batch/weight_version_max"]
-        == k + 1
-    )
-    events_a = _events(stack, run_id)
-    assert _actions(events_a, None)[:4] == ["run.start", "rollout.ready", "trainer.start", "trainer.load"]
-    assert _actions(events_a, None)[4:8] == [
-        "trainer.sleep",
+    m = a.last_step.metrics
+    assert m["batch/weight_version_min"] == m["batch/weight_version_max"] == k + 1
+    events = run_events(stack, run_id)
+    assert actions(events, None) == [
+        "run.start",
+        "rollout.ready",
+        "trainer.start",
+        "trainer.load",
+        "trainer.sleep",  # 1–3
         "engines.onload(weights)",
-        "weights.push",
-        "weights.pause",
+        *PUSH,
+        "rollout.training_ready",
+        "admission.resume",  # 4–9
+        "engines.onload(kv_cache)",  # 10–13
     ]
     for rollout_id in range(k):
-        _check_step_order(events_a, rollout_id, saved="no")
-    _check_step_order(events_a, k, saved="either")  # the stop came during step k
-    _check_engine_states(watch_a)
-    assert [v for _, v in watch_a.seen[engine_urls[0]] if v is not None][-1] == str(k + 2)
-    probe_a = _probe(engine_urls[0])
-    assert _probe(engine_urls[0]) == probe_a and _probe(engine_urls[1]) == probe_a  # same weights everywhere
+        check_step_order(events, rollout_id, saved="no")
+    check_step_order(events, k, saved="either")  # the stop came during step k
+    check_engine_states(watch)
+    assert [v for _, v in watch.seen[urls[0]] if v is not None][-1] == str(k + 2)
+    probe_a = probe(urls[0])
+    assert probe(urls[0]) == probe_a and probe(urls[1]) == probe_a  # the same weights everywhere
+    return k, probe_a
 
-    # --- between the legs: an engine dies; the rollout manager restarts it, waiting for weights ---
-    victim = stack.engines()[1]
-    os.kill(victim["pid"], signal.SIGKILL)
+
+def engine_dies_between_legs(stack: Stack) -> None:
+    """The rollout manager restarts it; it waits, out of the router, for weights."""
+    os.kill(stack.engines()[1]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and stack.engines()[1]["status"] != "needs_weights":
         time.sleep(0.5)
     assert stack.engines()[1]["status"] == "needs_weights"
 
-    # --- leg B: the same run id resumes from the checkpoint --------------------------------------
-    with EngineWatch(engine_urls) as watch_b:
-        asyncio.run(_call(stack, lambda c: c.start_run(run_id=run_id)))
-        b = asyncio.run(_call(stack, lambda c: c.wait_run(run_id, timeout_s=900, poll_s=0.5)))
+
+def leg_b_resumes_at_the_next_rollout(stack: Stack, run_id: str, urls: list[str], k: int) -> None:
+    with EngineWatch(urls) as watch:
+        asyncio.run(call(stack, lambda c: c.start_run(run_id=run_id)))
+        b = asyncio.run(call(stack, lambda c: c.wait_run(run_id, timeout_s=900, poll_s=0.5)))
     assert b.state == "finished", b.error
     assert (b.start_rollout_id, b.steps_done, b.next_rollout_id, b.weight_version) == (k + 1, 2 - k, 3, 4)
-    events_b = _events(stack, run_id)
-    assert [a for a in _actions(events_b, None) if a == "run.resume"] == ["run.resume"]
+    events = run_events(stack, run_id)
+    assert [a for a in actions(events, None) if a == "run.resume"] == ["run.resume"]
     for rollout_id in range(k + 1, 2):
-        _check_step_order(events_b, rollout_id, saved="no")
-    _check_step_order(events_b, 2, saved="after_train")  # the last rollout
-    _check_engine_states(watch_b)
+        check_step_order(events, rollout_id, saved="no")
+    check_step_order(events, 2, saved="after_train")  # the last rollout
+    check_engine_states(watch)
+    summary = b.summary or {}
+    assert summary["steps"] == 3 and summary["weight_version"] == 4 and summary["first_rollout_id"] == 0
+    assert Path(summary["report"]).read_bytes()[:4] == b"\x89PNG"
+    state = httpx.get(stack.rollout_url + "/v1/data-source/state", timeout=10).json()["state"]
+    assert state["sample_group_index"] == 6  # 3 rollouts × 2 prompts: none drawn twice, none skipped
 
-    # Versions: reported by the engines (both, the restarted one included) and carried by the samples.
-    for url in engine_urls:
+
+def versions_and_record(stack: Stack, run_id: str, urls: list[str]) -> None:
+    """Reported by the engines (the restarted one included) and carried by the samples."""
+    for url in urls:
         assert httpx.get(url + "/weight_info", timeout=10).json()["weight_version"] == "4"
     engines = stack.engines()
     assert all(e["status"] == "ready" and e["registered"] and e["weight_version"] == 4 for e in engines)
     rows = [json.loads(x) for x in (stack.work / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
-    assert [(r["batch/weight_version_min"], r["batch/weight_version_max"]) for r in rows] == [
-        (1, 1),
-        (2, 2),
-        (3, 3),
-    ]
+    versions = [(r["batch/weight_version_min"], r["batch/weight_version_max"]) for r in rows]
+    assert versions == [(1, 1), (2, 2), (3, 3)]
     assert [r["weight_version"] for r in rows] == [2, 3, 4]
     assert all(r["perf/T_step"] == pytest.approx(sum(r[f"perf/T_{p}"] for p in STEP_PHASES)) for r in rows)
-
-    # The engines generate with the new weights.
-    probe_b = _probe(engine_urls[0])
-    assert probe_b != probe_a and _probe(engine_urls[1]) == probe_b
-
-    # The record: report.png and the summary.
-    summary = b.summary or {}
-    assert summary["steps"] == 3 and summary["weight_version"] == 4 and summary["first_rollout_id"] == 0
-    assert Path(summary["report"]).read_bytes()[:4] == b"\x89PNG"
     assert not list((stack.work / "shm").glob("*.safetensors"))  # every bucket file was deleted

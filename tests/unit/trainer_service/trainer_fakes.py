@@ -63,14 +63,12 @@ class FakeEngines:
     def client(self, url: str) -> EngineClient:
         return EngineClient(url, transport=httpx.ASGITransport(app=self.app), retries=0)
 
+    def state(self, request: Request) -> EngineState:
+        return self.states[f"http://{request.url.hostname}"]
+
     def _build(self) -> FastAPI:
         app = FastAPI()
-
-        def state(request: Request) -> EngineState:
-            return self.states[f"http://{request.url.hostname}"]
-
-        def error(status: int, message: str) -> JSONResponse:
-            return JSONResponse({"error": {"message": message}}, status_code=status)
+        state = self.state
 
         @app.post("/pause")
         async def pause(
@@ -81,6 +79,13 @@ class FakeEngines:
             s.paused = mode
             return {"status": "paused"}
 
+        @app.post("/resume")
+        async def resume(request: Request) -> Any:
+            s = state(request)
+            s.calls.append(("resume", {}))
+            s.paused = None
+            return {"status": "resumed"}
+
         @app.post("/reset_prefix_cache")
         async def reset(request: Request) -> Any:
             s = state(request)
@@ -89,6 +94,15 @@ class FakeEngines:
                 s.reset_failures -= 1
                 return {"success": False}
             return {"success": True}
+
+        self._weight_routes(app)
+        return app
+
+    def _weight_routes(self, app: FastAPI) -> None:
+        state = self.state
+
+        def error(status: int, message: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": message}}, status_code=status)
 
         @app.post("/init_weight_transfer_engine")
         async def init(request: Request) -> Any:
@@ -130,15 +144,6 @@ class FakeEngines:
             if version is not None:
                 s.version = str(version)
             return {"message": "Weight update finished"}
-
-        @app.post("/resume")
-        async def resume(request: Request) -> Any:
-            s = state(request)
-            s.calls.append(("resume", {}))
-            s.paused = None
-            return {"status": "resumed"}
-
-        return app
 
 
 # --- weights --------------------------------------------------------------------------------
