@@ -209,7 +209,7 @@ class RunConfig(Section):
     """Everything one run needs. Field names follow the seed's argument names."""
 
     run_id: str | None = None
-    """Run identifier (runs/<run_id>/); None = a timestamp."""
+    """Run identifier (runs/<run_id>/, the Redis stream of batches); None: see effective_run_id."""
     output_dir: str = "runs"
     """Where run records (metrics.jsonl, report.png) go."""
 
@@ -466,6 +466,15 @@ class RunConfig(Section):
     def weight_update_level(self) -> int:
         """Engine sleep level during training: 2 (drop weights) when the trainer pushes new ones, else 1."""
         return 2
+
+    def effective_run_id(self, default: str = "default") -> str:
+        """The run id a service works under: ``run_id``, else ``$VIME_RUN_ID``, else ``default``.
+
+        One rule for every service (the rollout manager names its Redis stream with it, the
+        trainer its records and checkpoints), so an id given once, in the config or the
+        environment, reaches all of them; only the fallback differs by service.
+        """
+        return self.run_id or os.environ.get("VIME_RUN_ID") or default
 
     def to_json(self) -> str:
         """The resolved config, derived values included, as indented JSON."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 from vime.clients.reward import RewardClient
 from vime.config import RunConfig
+from vime.models import policy_model_path
 from vime_rollout.batch_builder import BatchSink
 from vime_rollout.data import DataSource, PromptDataset, build_dataset, read_records
 from vime_rollout.data.synthetic import arithmetic_records
@@ -25,18 +25,13 @@ from vime_rollout.engines.launchers import DockerLauncher, ExternalLauncher, Lau
 from vime_rollout.engines.router_registry import router_registry
 from vime_rollout.engines.spec import plan_engines
 from vime_rollout.manager import RolloutManager
-from vime_rollout.model import load_tokenizer, resolve_model_path, served_model_name
+from vime_rollout.model import load_tokenizer, served_model_name
 from vime_rollout.rollout.transport import RouterGenerator
 from vime_rollout.scorer import RewardScorer
 
 log = logging.getLogger("vime.rollout")
 
 SYNTHETIC_EVAL_PROMPTS = 64
-
-
-def run_id_of(cfg: RunConfig) -> str:
-    """The run id shared with the trainer (names the Redis stream): config, VIME_RUN_ID, or 'default'."""
-    return cfg.run_id or os.environ.get("VIME_RUN_ID") or "default"
 
 
 def build_datasets(cfg: RunConfig, tokenizer: object) -> tuple[PromptDataset, dict[str, PromptDataset]]:
@@ -81,9 +76,9 @@ def make_launcher(cfg: RunConfig, run_id: str, model_path: Path, log_dir: Path) 
 
 async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> RolloutManager:
     """Everything the rollout manager needs, engines started (and asleep when offloaded)."""
-    run_id = run_id_of(cfg)
+    run_id = cfg.effective_run_id()  # names the Redis stream; every job reply carries it
     specs = plan_engines(cfg)  # a config that cannot place its engines fails before anything is built
-    model_path = await asyncio.to_thread(resolve_model_path, cfg)
+    model_path = await asyncio.to_thread(policy_model_path, cfg)
     model_name = served_model_name(cfg, model_path)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
     train, evals = await asyncio.to_thread(build_datasets, cfg, tokenizer)

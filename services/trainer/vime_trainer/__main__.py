@@ -27,17 +27,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--host", default=None, help="interface to bind (default: services.host)")
     p.add_argument("--port", type=int, default=None, help="port (default: services.trainer_port)")
-    p.add_argument("--run-id", default=None, help="run: the run id (default: the config's, else a timestamp)")
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help="run: the run id (default: the config's or $VIME_RUN_ID, else a timestamp)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
 
 def backend_factory(cfg: RunConfig) -> object:
     """The Megatron training ranks (Ray actors) for ``cfg``, loading the engines' checkpoint."""
+    from vime.models import policy_model_path
     from vime_trainer.megatron.actor_group import ActorGroup
-    from vime_trainer.model_path import resolve_hf_checkpoint
 
-    return ActorGroup(cfg, str(resolve_hf_checkpoint(cfg)))
+    return ActorGroup(cfg, str(policy_model_path(cfg)))
 
 
 def shutdown_ray() -> None:
