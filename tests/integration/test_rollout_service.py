@@ -243,6 +243,7 @@ def test_2_seed_rollout_scaled_down(stack: Stack) -> None:
 
     job = asyncio.run(main())
     assert job.state == "done" and job.num_samples == 32 and job.dp_size == 2 and job.weight_version == 1
+    assert job.run_id == stack.cfg["run_id"]  # the stream the trainer reads the batch from
     m = job.metrics
     assert m["rollout/num_groups"] == 4 and m["rollout/num_samples"] == 32
     assert m["rollout/groups_submitted"] >= 8 and m["rollout/groups_dropped"] >= 2  # "const" groups

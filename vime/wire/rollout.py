@@ -46,6 +46,9 @@ class RolloutJob(BaseModel):
     rollout_id: int
     evaluation: bool = False
     state: JobState = JobState.RUNNING
+    run_id: str | None = None
+    """The rollout manager's run id: its batches are on that run's Redis stream
+    (`vime.queue.stream_key`), which is where a trainer reads ``batch_id`` from."""
     batch_id: str | None = None
     """Id of the batch published to Redis (training rollouts)."""
     entry_id: str | None = None

@@ -86,7 +86,8 @@ class RunRequest(_Request):
     """``POST /v1/runs``: start a run; ``config`` overrides the service's run config (nested keys)."""
 
     run_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    """Names runs/<run_id>/ and the checkpoints; None: the config's run_id, else a timestamp."""
+    """Names runs/<run_id>/ and the checkpoints; None: the config's run_id or $VIME_RUN_ID
+    (`RunConfig.effective_run_id`), else a timestamp."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Run config fields on top of the service's config, e.g. ``{"num_rollout": 3, "trainer": {"lr": 1e-4}}``."""
 

@@ -25,7 +25,9 @@ class JobConflict(RuntimeError):
 class JobRegistry:
     """Jobs by id, plus the one currently running."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None) -> None:
+        self.run_id = run_id
+        """Stamped on every job: the run whose Redis stream the batches go to."""
         self.jobs: OrderedDict[str, RolloutJob] = OrderedDict()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.running: RolloutJob | None = None
@@ -58,7 +60,11 @@ class JobRegistry:
                 "one rollout runs at a time"
             )
         job = RolloutJob(
-            job_id=uuid.uuid4().hex[:12], rollout_id=rollout_id, evaluation=evaluation, created_at=time.time()
+            job_id=uuid.uuid4().hex[:12],
+            rollout_id=rollout_id,
+            evaluation=evaluation,
+            run_id=self.run_id,
+            created_at=time.time(),
         )
         self.jobs[job.job_id] = job
         while len(self.jobs) > MAX_KEPT_JOBS:

@@ -66,7 +66,7 @@ class RolloutManager:
         self.data = train_data
         self.eval_data = eval_data
         self.sink = sink
-        self.jobs = JobRegistry()
+        self.jobs = JobRegistry(run_id)
         self.admission = Admission()
         self.filter = (
             load_function(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None

@@ -2,9 +2,9 @@
 
 One `BatchConsumer` per DP rank with a stable name, so a restarted trainer first gets back what
 it had read but not acked. The rollout manager publishes on the stream of *its* run id, which
-is the prefix of every batch id (``<run>:<rollout>:<attempt>``), so the trainer follows it even
-when its own run id (which names records and checkpoints) differs. A batch of an earlier rollout
-still pending (a rollout retried after a crash published it twice) is acked and skipped.
+its reply carries (`RolloutJob.run_id`), so the trainer follows it even when its own run id
+(which names records and checkpoints) differs. A batch of an earlier rollout still pending (a
+rollout retried after a crash published it twice) is acked and skipped.
 """
 
 from __future__ import annotations
@@ -20,14 +20,6 @@ class BatchReadError(RuntimeError):
     """The batch a rollout reported never arrived, or something else did."""
 
 
-def stream_run_id(batch_id: str) -> str:
-    """The run id a batch was published under (its batch id minus ``:<rollout>:<attempt>``)."""
-    parts = batch_id.rsplit(":", 2)
-    if len(parts) != 3 or not parts[0] or not (parts[1].isdigit() and parts[2].isdigit()):
-        raise BatchReadError(f"batch id {batch_id!r} is not <run>:<rollout>:<attempt>")
-    return parts[0]
-
-
 class BatchReader:
     """The trainer's DP ranks' consumers, opened on first use for the stream a batch came from."""
 
@@ -38,8 +30,10 @@ class BatchReader:
         self._stream: str | None = None
         self._consumers: list[BatchConsumer] = []
 
-    def _open(self, stream: str) -> list[BatchConsumer]:
+    async def _open(self, stream: str) -> list[BatchConsumer]:
+        """The consumers of ``stream`` (the ones of another stream are closed first)."""
         if stream != self._stream:
+            await self.aclose()
             self._consumers = [
                 BatchConsumer(self.redis_url, stream, d, f"{self.name_prefix}-rank{d}")
                 for d in range(self.dp_size)
@@ -47,9 +41,13 @@ class BatchReader:
             self._stream = stream
         return self._consumers
 
-    async def read(self, batch_id: str, rollout_id: int, timeout_s: float = 120.0) -> list[RankBatch]:
-        """Every DP rank's share of ``batch_id``, in DP-rank order."""
-        consumers = self._open(stream_run_id(batch_id))
+    async def read(
+        self, run_id: str, batch_id: str, rollout_id: int, timeout_s: float = 120.0
+    ) -> list[RankBatch]:
+        """Every DP rank's share of ``batch_id`` from run ``run_id``'s stream, in DP-rank order."""
+        if not run_id or not batch_id:
+            raise BatchReadError(f"no batch to read: run id {run_id!r}, batch id {batch_id!r}")
+        consumers = await self._open(run_id)
         return list(
             await asyncio.gather(*(self._read_one(c, batch_id, rollout_id, timeout_s) for c in consumers))
         )

@@ -147,7 +147,7 @@ class RunOps:
     async def rollout_step(self, rollout_id: int) -> RolloutJob:
         self.events.record("rollout.start")
         job = await self.rollout.rollout(rollout_id, dp_size=self.backend.dp_size)
-        if not job.batch_id:
+        if not job.batch_id or not job.run_id:
             raise RunError(f"rollout {rollout_id} returned no batch: {job.error or 'unknown reason'}")
         self.events.record("rollout.done", batch_id=job.batch_id, samples=job.num_samples)
         return job
@@ -155,7 +155,7 @@ class RunOps:
     async def train(self, rollout_id: int, job: RolloutJob) -> dict[str, float]:
         """Steps 37–42: read every DP rank's share, train, sleep, ack, report training completed."""
         assert self.batches is not None, "start_trainer first"
-        shares = await self.batches.read(job.batch_id or "", rollout_id)
+        shares = await self.batches.read(job.run_id or "", job.batch_id or "", rollout_id)
         self.events.record("trainer.train", batch_id=job.batch_id)
         steps = await asyncio.to_thread(self.backend.train, rollout_id, shares)
         await self.trainer_sleep()

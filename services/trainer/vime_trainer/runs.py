@@ -52,7 +52,7 @@ def run_config(load: ConfigLoader, request: RunRequest) -> RunConfig:
         cfg = load(list(override_pairs(request.config)))
     except ConfigError as exc:
         raise ServiceError(422, str(exc)) from None
-    run_id = request.run_id or cfg.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    run_id = request.run_id or cfg.effective_run_id(default=time.strftime("run-%Y%m%d-%H%M%S"))
     if not cfg.services.redis_url:
         raise ServiceError(422, "services.redis_url is not set: the trainer reads rollout batches from Redis")
     trainer = cfg.trainer.model_copy(

@@ -173,6 +173,7 @@ def test_eval_metrics(client: Any) -> None:
     m = r.json()["metrics"]
     assert m["eval/held/num_prompts"] == 3.0 and m["eval/held/num_samples"] == 3.0
     assert "eval/held/pass@1" in m and r.json()["batch_id"] is None
+    assert r.json()["run_id"] == "unit"  # every job names the manager's run (its Redis stream)
     prom = c.get("/metrics").text
     assert 'vime_rollouts_total{kind="eval",state="ok"} 1.0' in prom
     assert 'vime_rollout_engines{status="ready"} 2.0' in prom and "vime_rollout_weight_version 0.0" in prom

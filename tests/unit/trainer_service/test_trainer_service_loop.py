@@ -125,7 +125,8 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
     assert [s.weight_version for s in run.steps] == [2, 3]
     assert run.backend.checkpoints[1]["run_state"]["weight_version"] == 3  # published next as v3
     assert run.ctx.status.next_rollout_id == 2 and run.ctx.status.steps_done == 2
-    assert run.rollout.admission_paused and run.batches[0].acked == ["run:0:0", "run:1:0"]
+    assert run.rollout.admission_paused and run.batches[0].acked == ["mgr:0:0", "mgr:1:0"]
+    assert run.batches[0].read_from == ["mgr", "mgr"]  # the stream named by the rollout's reply
     t = run.steps[0].timings
     assert t.step_s == pytest.approx(
         t.rollout_s + t.offload_s + t.train_s + t.onload_weights_s + t.weight_sync_s + t.onload_kv_s

@@ -1,20 +1,20 @@
 """The run's record (metrics.jsonl, the per-step log line, report.png, the summary) and the small
-pieces of run set-up: config overrides from a request, per-run checkpoint directories, the stream a
-batch id names, which transport ``auto`` picks."""
+pieces of run set-up: config overrides from a request, per-run checkpoint directories, the run id,
+which transport ``auto`` picks."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
-from vime_trainer.batches import BatchReadError, stream_run_id
 from vime_trainer.record import RunRecord, step_line
 from vime_trainer.report import draw_report, summarize
 from vime_trainer.runs import override_pairs, run_config
 from vime_trainer.weight_sync import transport_name
 
-from vime.config import load_config
+from vime.config import RunConfig, load_config
 from vime.service import ServiceError
 from vime.wire.trainer import RunRequest, StepRecord, StepTimings
 
@@ -102,11 +102,21 @@ def test_request_config_goes_on_top_of_the_service_config(tmp_path: Path) -> Non
         run_config(lambda extra: load_config(None, [*BASE, *extra], environ={}), RunRequest())
 
 
-def test_stream_of_a_batch_id() -> None:
-    assert stream_run_id("it-1a2b:7:0") == "it-1a2b" and stream_run_id("a:b:3:12") == "a:b"
-    for bad in ("nope", "run:x:0", ":1:0"):
-        with pytest.raises(BatchReadError):
-            stream_run_id(bad)
+def test_run_id_from_the_request_the_config_the_environment_or_a_timestamp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = [*BASE, "services.redis_url=redis://r:6379/0", f"trainer.checkpoint_dir={tmp_path}"]
+
+    def load(extra: list[str]) -> RunConfig:
+        return load_config(None, [*base, *extra], environ={})
+
+    monkeypatch.delenv("VIME_RUN_ID", raising=False)
+    assert re.fullmatch(r"run-\d{8}-\d{6}", run_config(load, RunRequest()).run_id or "")
+    monkeypatch.setenv("VIME_RUN_ID", "from-env")  # what the rollout manager names its stream with
+    cfg = run_config(load, RunRequest())
+    assert cfg.run_id == "from-env" and cfg.trainer.checkpoint_dir == str(tmp_path / "from-env")
+    assert run_config(load, RunRequest(config={"run_id": "cfg"})).run_id == "cfg"
+    assert run_config(load, RunRequest(run_id="req", config={"run_id": "cfg"})).run_id == "req"
 
 
 def test_auto_transport_is_ipc_only_for_colocated_gpus() -> None:

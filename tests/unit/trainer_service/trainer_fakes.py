@@ -249,7 +249,8 @@ class FakeRollout:
             job_id=f"j{rollout_id}",
             rollout_id=rollout_id,
             state=JobState.DONE,
-            batch_id=f"run:{rollout_id}:0",
+            run_id="mgr",
+            batch_id=f"mgr:{rollout_id}:0",
             num_samples=8,
             dp_size=dp_size,
             weight_version=self.version,
@@ -388,8 +389,13 @@ class FakeBatches:
         self.rollout = rollout
         self.dp_size = dp_size
         self.acked: list[str] = []
+        self.read_from: list[str] = []
+        """The stream (run id) of every read."""
 
-    async def read(self, batch_id: str, rollout_id: int, timeout_s: float = 0) -> list[FakeShare]:
+    async def read(
+        self, run_id: str, batch_id: str, rollout_id: int, timeout_s: float = 0
+    ) -> list[FakeShare]:
+        self.read_from.append(run_id)
         v = np.full(4, self.rollout.version, dtype=np.int32)
         return [FakeShare(batch_id, rollout_id, v) for _ in range(self.dp_size)]
 
