@@ -1,9 +1,9 @@
 """The rollout manager's REST API (DESIGN.md §2): rollouts, engine memory, weight bookkeeping,
 admission, data-source state. State-changing routes need the bearer token.
 
-Errors are answers, not 500s: a rollout while engines sleep or admission is paused is a 409, a
-second concurrent rollout a 409, an unknown job a 404, a rollout whose engines, router or reward
-service failed a 502 with the cause.
+Errors are answers, not 500s: a rollout while engines sleep (or, for a training rollout, while
+admission is paused) is a 409, a second concurrent rollout a 409, an unknown job a 404, a rollout
+whose engines, router or reward service failed a 502 with the cause.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size
         if body.evaluation and not m.eval_data:
             raise ServiceError(400, "no eval dataset configured (data.eval_prompt_data)")
         if m.jobs.find(body.rollout_id, body.evaluation) is None:
-            m.check_can_roll_out()
+            m.check_can_roll_out(body.evaluation)
 
         async def run(job: RolloutJob) -> None:
             kind, outcome, start = ("eval" if body.evaluation else "train"), "failed", time.perf_counter()

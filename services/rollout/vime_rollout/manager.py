@@ -30,7 +30,7 @@ log = logging.getLogger("vime.rollout.manager")
 
 @dataclass
 class Admission:
-    """Whether new rollouts may start (seed steps 9, 44, 53)."""
+    """Whether new training rollouts may start (seed steps 9, 44, 53); evals are not gated."""
 
     paused: bool = False
     training_ready: bool = False
@@ -73,9 +73,14 @@ class RolloutManager:
         )
 
     # --- rollouts --------------------------------------------------------------------------------
-    def check_can_roll_out(self) -> None:
-        """409 when engines sleep or admission is paused: the rollout would hang or race a push."""
-        if self.admission.paused:
+    def check_can_roll_out(self, evaluation: bool = False) -> None:
+        """409 when engines sleep, or admission is paused for a training rollout.
+
+        A sleeping engine would hang the rollout. Admission (seed steps 44, 53) gates training
+        rollouts only: it keeps a new batch from being generated across a weight push. An eval
+        publishes nothing, so it may run while admission stays paused after the last step.
+        """
+        if self.admission.paused and not evaluation:
             raise ServiceError(409, "rollout admission is paused: POST /v1/admission/resume first")
         asleep = sorted({t for r in self.engines.live() for t in r.asleep})
         if asleep:

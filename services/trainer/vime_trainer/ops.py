@@ -72,7 +72,6 @@ class RunOps:
         """Version of the weights the engines hold."""
         self.start_version = 0
         """What the engines held when this run (re)started (`should_flush_cache`)."""
-        self.admission_paused = False
         self.sync: WeightSync | None = None
         self.batches: BatchReader | None = None
 
@@ -167,13 +166,11 @@ class RunOps:
     # --- weight sync (seed steps 44–53) -------------------------------------------------------
     async def pause_admission(self) -> bool:
         result = await self.rollout.pause_admission()
-        self.admission_paused = result.paused
         self.events.record("admission.pause")
         return result.was_paused
 
     async def resume_admission(self, was_paused: bool) -> None:
-        result = await self.rollout.resume_admission(was_paused)
-        self.admission_paused = result.paused
+        await self.rollout.resume_admission(was_paused)
         self.events.record("admission.resume")
 
     async def push_weights(self, version: int, flush: bool, *, stale_only: bool = False) -> PushResult | None:
@@ -250,8 +247,7 @@ class RunOps:
         )
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
-        if self.admission_paused:  # after the last step admission stays paused (step 53 skipped)
-            await self.resume_admission(True)
+        """An eval rollout on the synced engines; admission may be paused (it gates training only)."""
         self.events.record("eval.start")
         try:
             job = await self.rollout.rollout(rollout_id, evaluation=True)

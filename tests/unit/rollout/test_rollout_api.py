@@ -131,6 +131,9 @@ def test_rollout_refused_while_offloaded_or_paused(client: Any) -> None:
     assert r.json()["tags_sent"] == ["kv_cache"]
     assert c.post("/v1/admission/pause", headers=AUTH).json() == {"was_paused": True, "paused": True}
     assert "admission is paused" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 409)
+    # Admission gates training rollouts only: an eval (nothing published) runs while it is paused.
+    ev = c.post("/v1/rollouts", json={"rollout_id": 0, "evaluation": True}, headers=AUTH)
+    assert ev.status_code == 200 and ev.json()["state"] == "done", ev.text
     assert c.post("/v1/admission/resume", json={"was_paused": True}, headers=AUTH).json()["paused"] is False
     # Without Redis the batch cannot be published: a 502 naming why, and the prompts are not lost.
     before = c.get("/v1/data-source/state").json()["state"]

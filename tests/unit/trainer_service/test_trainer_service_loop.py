@@ -220,17 +220,12 @@ async def test_the_push_guard_refuses_engines_whose_weights_stay_asleep() -> Non
     assert ("release_update_lock", "L0") in run.rollout.calls
 
 
-async def test_eval_every_interval_reopens_admission_after_the_last_step() -> None:
+async def test_eval_every_interval_runs_with_admission_still_paused_after_the_last_step() -> None:
     run = Run("eval_interval=1")
     await run.go()
     assert [c for c in run.rollout.calls if c[0] == "eval"] == [("eval", 0), ("eval", 1)]
-    assert run.actions(1)[-5:] == [
-        "engines.onload(kv_cache)",
-        "admission.resume",
-        "eval.start",
-        "eval.done",
-        "step.done",
-    ]
+    assert run.actions(1)[-4:] == ["engines.onload(kv_cache)", "eval.start", "eval.done", "step.done"]
+    assert "admission.resume" not in run.actions(1) and run.rollout.admission_paused  # step 53 skipped
     assert run.steps[0].metrics["eval/x/reward_mean"] == 0.5 and run.steps[0].timings.eval_s > 0
     run = Run("eval_interval=1")
     run.rollout.eval_available = False

@@ -232,7 +232,7 @@ class FakeRollout:
             from vime.clients.base import ServiceCallError
 
             raise ServiceCallError("POST", "/v1/rollouts", 400, "no eval dataset configured")
-        if self.admission_paused:
+        if self.admission_paused and not evaluation:  # admission gates training rollouts only
             raise AssertionError("rollout while admission is paused")
         if any(e.asleep for e in self.engines_):
             raise AssertionError("rollout while engines are offloaded")
