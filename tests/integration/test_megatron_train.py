@@ -24,6 +24,7 @@ from megatron_support import (
 )
 from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
 from vime_trainer.megatron.sft import sft_rank_batches
+from vime_trainer.weights.hf_checkpoint import HFReader
 
 from vime.models.tiny import ensure_tiny_qwen3, vocabulary
 
@@ -179,10 +180,22 @@ def test_layouts_match_an_hf_reference(
     try:
         logits = one(group.call("logits", TOKENS))
         assert np.abs(logits - hf_logits(qwen3, TOKENS)).max() < 1e-5
+        exported = one(group.call("hf_state_dict"))  # gathered over TP and PP
         got = [group.train(r, split(cfg, rollout_batch(cfg, r, seed=0)))[0] for r in range(2)]
     finally:
         group.shutdown()
+    original = HFReader(qwen3).state_dict()
+    assert exported.keys() == original.keys()
+    assert all(np.array_equal(exported[k], v.numpy()) for k, v in original.items())
     for step, ref in zip(got, reference, strict=True):
         for key in ("loss", "grad_norm", "entropy"):
             assert step[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (key, step, ref)
     assert reference[0]["grad_norm"] > 0.5  # so clipping really happened before step 1
+
+
+def test_ranks_that_cannot_be_placed_fail_clearly(ray_cluster: None, qwen3: Path, tmp_path: Path) -> None:
+    cfg = run_config(tmp_path, actor_num_gpus_per_node=1)  # a GPU rank on a cluster without GPUs
+    group = ActorGroup(cfg, str(qwen3), placement_timeout_s=2)
+    with pytest.raises(TrainerError, match="could not place 1 training ranks"):
+        group.start()
+    group.shutdown()  # nothing to stop, still fine

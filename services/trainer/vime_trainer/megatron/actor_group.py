@@ -58,10 +58,18 @@ class RankActor(TrainRank):
 class ActorGroup:
     """``train_world_size`` Megatron ranks as Ray actors."""
 
-    def __init__(self, config: RunConfig, hf_checkpoint: str, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        hf_checkpoint: str,
+        *,
+        timeout_s: float | None = None,
+        placement_timeout_s: float = 120.0,
+    ) -> None:
         self.config = config
         self.hf_checkpoint = hf_checkpoint
         self.timeout_s = timeout_s
+        self.placement_timeout_s = placement_timeout_s
         self.world_size = config.train_world_size
         self.on_gpu = config.actor_num_gpus_per_node > 0
         self.actors: list[Any] = []
@@ -77,10 +85,22 @@ class ActorGroup:
             raise TrainerError(f"a training rank failed: {exc}") from exc
 
     def _bundle(self) -> dict[str, float]:
+        """One GPU per rank; on CPU an equal share of the CPUs still free (at most one each)."""
         if self.on_gpu:
             return {"GPU": 1.0, "CPU": 1.0}
-        cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        return {"CPU": min(1.0, cpus / self.world_size)}
+        free = float(ray.available_resources().get("CPU", 0.0))
+        return {"CPU": max(0.01, min(1.0, free / self.world_size))}
+
+    def _place(self, bundle: dict[str, float]) -> None:
+        self._pg = placement_group([bundle] * self.world_size, strategy="PACK")
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.placement_timeout_s)
+        if not ready:
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise TrainerError(
+                f"could not place {self.world_size} training ranks of {bundle} within "
+                f"{self.placement_timeout_s:.0f} s; the Ray cluster has {ray.available_resources()} free"
+            )
 
     def start(self) -> None:
         """Place and start the ranks, join them into one process group, load the HF weights."""
@@ -89,8 +109,7 @@ class ActorGroup:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         bundle = self._bundle()
-        self._pg = placement_group([bundle] * self.world_size, strategy="PACK")
-        self._get(self._pg.ready())
+        self._place(bundle)
         remote = ray.remote(RankActor)
         for i in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(
