@@ -100,6 +100,8 @@ def hf_baseline(path: Path, batch: RolloutBatch, args: argparse.Namespace) -> di
 
     device = "cuda" if args.gpus else "cpu"
     dtype = torch.bfloat16 if args.gpus else torch.float32
+    if not args.gpus:
+        torch.set_num_threads(1)  # as many threads as a CPU training rank gets
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").to(
         device
     )
