@@ -126,6 +126,10 @@ class EngineConfig(Section):
     """How long an engine may take to answer /health after launch."""
     reference_max_batch: int = Field(256, ge=1)
     """Reference engine: most sequences decoded together in one forward pass."""
+    reference_kv_cache_bytes: int = Field(4 << 30, ge=1 << 20)
+    """Reference engine: most memory its KV cache may take (--kv-cache-memory-bytes, default 4 GiB)."""
+    image: str = "vime-gpu:0.1.0"
+    """Container image of the engines for launcher=docker (the compose file's GPU image)."""
 
 
 class ServicesConfig(Section):

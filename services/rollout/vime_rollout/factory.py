@@ -70,7 +70,7 @@ def make_launcher(cfg: RunConfig, run_id: str, model_path: Path, log_dir: Path) 
     if cfg.engine.launcher == "external":
         return ExternalLauncher()
     if cfg.engine.launcher == "docker":
-        return DockerLauncher(run_id, str(model_path), log_dir)
+        return DockerLauncher(run_id, str(model_path), log_dir, cfg.engine.image)
     return LocalLauncher(log_dir)
 
 

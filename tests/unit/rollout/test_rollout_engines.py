@@ -14,9 +14,10 @@ from vime_rollout.engines.commands import EngineCommand, reference_command, vllm
 from vime_rollout.engines.control import normalize_wake_tags
 from vime_rollout.engines.group import EngineGroup
 from vime_rollout.engines.health import HealthMonitor
-from vime_rollout.engines.launchers import container_spec
+from vime_rollout.engines.launchers import DockerLauncher, container_spec
 from vime_rollout.engines.records import EngineStatus, LockHeld, UpdateLock
 from vime_rollout.engines.spec import EnginePlanError, EngineSpec, plan_engines
+from vime_rollout.factory import make_launcher
 
 from vime.config import RunConfig, load_config
 
@@ -84,6 +85,25 @@ def test_auto_backend_on_a_cpu_host_is_the_reference_engine() -> None:
     argv = reference_command(cfg, specs[1], "/m", "tiny").argv
     assert argv[1:3] == ["-m", "vime_rollout.reference_engine"]
     assert argv[argv.index("--port") + 1] == "18101" and argv[argv.index("--max-model-len") + 1] == "4096"
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(4 << 30)  # the engine's own default
+    small = cfg.model_copy(
+        update={"engine": cfg.engine.model_copy(update={"reference_kv_cache_bytes": 1 << 28})}
+    )
+    argv = reference_command(small, specs[0], "/m", "tiny").argv
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == "268435456"
+    with pytest.raises(ValueError, match="reference_kv_cache_bytes"):
+        _cfg(**{"engine.reference_kv_cache_bytes": 10})
+
+
+def test_the_docker_launcher_takes_its_image_from_the_config(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docker = pytest.importorskip("docker")
+    monkeypatch.setattr(docker, "from_env", lambda: None)  # no Docker engine on this host
+    cfg = _cfg(**{"engine.launcher": "docker", "engine.image": "registry.local/vime-gpu:dev"})
+    launcher = make_launcher(cfg, "r1", tmp_path / "model", tmp_path / "logs")
+    assert isinstance(launcher, DockerLauncher) and launcher.image == "registry.local/vime-gpu:dev"
+    assert _cfg().engine.image == "vime-gpu:0.1.0"
 
 
 def test_container_spec_shares_ipc_and_gets_its_gpus() -> None:

@@ -102,6 +102,8 @@ def reference_command(cfg: RunConfig, spec: EngineSpec, model_path: str, served_
         str(cfg.rollout_max_context_len),
         "--max-batch",
         str(cfg.engine.reference_max_batch),
+        "--kv-cache-memory-bytes",
+        str(cfg.engine.reference_kv_cache_bytes),
         "--seed",
         str(cfg.rollout_seed + spec.index),
     ]

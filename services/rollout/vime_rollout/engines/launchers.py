@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,9 +17,6 @@ from vime_rollout.engines.commands import EngineCommand
 from vime_rollout.engines.spec import EngineSpec
 
 log = logging.getLogger("vime.rollout.engines")
-
-DEFAULT_ENGINE_IMAGE = "vime-gpu:0.1.0"
-"""Image of engine containers when VIME_ENGINE_IMAGE is unset (the compose file's GPU image)."""
 
 
 class EngineProcess(Protocol):
@@ -158,7 +154,7 @@ class DockerLauncher:
 
     can_restart = True
 
-    def __init__(self, run_id: str, model_path: str, log_dir: str | Path, image: str | None = None) -> None:
+    def __init__(self, run_id: str, model_path: str, log_dir: str | Path, image: str) -> None:
         try:
             import docker
         except ImportError:
@@ -169,7 +165,7 @@ class DockerLauncher:
         self.client = docker.from_env()
         self.run_id = run_id
         self.mounts = [model_path, str(log_dir)]
-        self.image = image or os.environ.get("VIME_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE)
+        self.image = image
 
     def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess:
         if command is None:
