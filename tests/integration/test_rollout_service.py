@@ -35,6 +35,7 @@ from vime.algorithms import normalize_group_rewards
 from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
 from vime.config import load_config
+from vime.models.tiny import build_tokenizer
 from vime.queue import BatchConsumer
 
 pytestmark = pytest.mark.slow
@@ -191,11 +192,12 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 os.killpg(pid, signal.SIGKILL)
 
 
-def _read_shares(stack: Stack, batch_id: str, dp_size: int) -> list[Any]:
+def _read_shares(stack: Stack, batch_id: str, dp_size: int, run_id: str | None = None) -> list[Any]:
     async def read() -> list[Any]:
         shares = []
+        stream = run_id or stack.cfg["run_id"]
         for rank in range(dp_size):
-            async with BatchConsumer(stack.redis_url, stack.cfg["run_id"], rank, f"it-{rank}") as consumer:
+            async with BatchConsumer(stack.redis_url, stream, rank, f"it-{rank}") as consumer:
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline:
                     rb = await consumer.next(block_ms=1000)
@@ -366,3 +368,37 @@ def test_6_eval_and_data_state(stack: Stack) -> None:
             assert await c.data_state() == state
 
     asyncio.run(main())
+
+
+def test_7_sft_warm_up_batches(stack: Stack, tmp_path: Path) -> None:
+    """Prompts with their labels (+ EOS) as responses on the run's own ``:sft`` stream; engines asleep."""
+
+    async def main() -> list[Any]:
+        async with stack.client() as c:
+            await c.offload()  # the warm-up runs while the engines sleep (the colocated start-up)
+            out = [await c.sft_batch(0), await c.sft_batch(0), await c.sft_batch(1)]
+            await c.onload(None)
+            return out
+
+    a, again, b = asyncio.run(main())
+    run = stack.cfg["run_id"]
+    assert (a.run_id, a.batch_id, again.batch_id) == (f"{run}:sft", f"{run}:sft:0:0", f"{run}:sft:0:1")
+    assert a.num_samples == 32 and a.dp_size == 2 and a.entry_id and a.metrics["sft/label_len_mean"] > 1
+    tok = build_tokenizer(tmp_path / "tok")
+    rows = {}
+    for reply in (a, again, b):
+        shares = _read_shares(stack, reply.batch_id, 2, run_id=reply.run_id)
+        assert [sh.dp_rank for sh in shares] == [0, 1] and all(sh.num_microbatches == [4] for sh in shares)
+        rows[reply.batch_id] = sorted(
+            (sh.sample(i) for sh in shares for i in range(16)), key=lambda r: r.index
+        )
+    assert [r.index for r in rows[a.batch_id]] == list(range(32))
+    assert [r.index for r in rows[b.batch_id]] == list(range(32, 64))  # step 1: the next 32 positions
+    for x, y in zip(rows[a.batch_id], rows[again.batch_id], strict=True):  # a step asked again: the same
+        assert np.array_equal(x.tokens, y.tokens)
+    for r in rows[a.batch_id] + rows[b.batch_id]:
+        i = r.index % 12  # not shuffled: position p is prompt p mod 12
+        assert tok.decode(r.tokens[: r.prompt_length].tolist()) == f"{i}+{i}="
+        label = "const" if i % 2 == 0 else "vary"
+        assert tok.decode(r.tokens[r.prompt_length :].tolist()) == label + "<|endoftext|>"
+        assert r.loss_mask.all() and r.advantage == 1.0 and r.reward == 1.0

@@ -76,6 +76,35 @@ def test_run_stop_and_resume_over_rest(stack: Stack) -> None:
     assert probe_b != probe_a and probe(urls[1]) == probe_b  # the engines generate with the new weights
 
 
+def test_sft_warm_up_before_the_first_push(stack: Stack) -> None:
+    """A fresh run warms up on the labels (the sums) before it pushes: the loss goes down, and every
+    warm-up step is recorded apart from the RL steps and shown to the CLI as ``sft.*`` events."""
+    run_id = f"{stack.cfg['run_id']}-sft"
+    config = {"num_rollout": 1, "trainer": {"sft_warmup_steps": 4}}
+    asyncio.run(call(stack, lambda c: c.start_run(config, run_id=run_id)))
+    done = asyncio.run(call(stack, lambda c: c.wait_run(run_id, timeout_s=600, poll_s=0.5)))
+    assert done.state == "finished", done.error
+    got = actions(run_events(stack, run_id), None)
+    start = got.index("trainer.load")
+    assert got[start : start + 8] == [
+        "trainer.load",
+        "sft.start",
+        *["sft.step"] * 4,
+        "sft.done",
+        "trainer.sleep",
+    ]
+    assert got.index("sft.done") < got.index("weights.push")  # the first push carries the warmed-up weights
+    run_dir = stack.work / "runs" / run_id
+    warm = [json.loads(x) for x in (run_dir / "warmup.jsonl").read_text().splitlines()]
+    assert [w["sft_step"] for w in warm] == [0, 1, 2, 3]
+    losses = [w["sft/loss"] for w in warm]
+    assert losses[-1] < losses[0] - 0.1 and all(w["sft/optimizer_steps"] == 1.0 for w in warm), losses
+    summary = done.summary or {}
+    assert summary["sft_steps"] == 4 and summary["sft_loss_last"] < summary["sft_loss_first"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in rows] == [0]  # one line per RL step: the warm-up is not in it
+
+
 def leg_a_stops_during_its_first_steps(stack: Stack, run_id: str, urls: list[str]) -> tuple[int, object]:
     """Start over REST, stop as soon as the loop is past start-up; returns the step it stopped after."""
     with EngineWatch(urls) as watch:

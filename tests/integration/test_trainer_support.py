@@ -52,7 +52,7 @@ def free_pair() -> int:
 def run_config(work: Path, redis_url: str, tp: int) -> dict[str, Any]:
     prompts = work / "prompts.jsonl"
     prompts.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i % 7}=", "label": "x"}) + "\n" for i in range(40))
+        "".join(json.dumps({"prompt": f"{i}+{i % 7}=", "label": str(i + i % 7)}) + "\n" for i in range(40))
     )
     (work / "trainer_it_rewards.py").write_text(REWARD_MODULE)
     ports = {n: procs.free_port() for n in ("router", "router_control", "reward", "rollout", "trainer")}

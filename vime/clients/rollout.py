@@ -17,6 +17,7 @@ from vime.wire.rollout import (
     JobState,
     MemoryResult,
     RolloutJob,
+    SftBatch,
     TrainingCompleted,
     UpdatableEngines,
 )
@@ -43,6 +44,18 @@ class RolloutClient(ServiceClient):
             "POST", "/v1/rollouts", json=body, timeout=None if wait else ..., expect=(200, 202)
         )
         return RolloutJob.model_validate(out)
+
+    async def sft_batch(self, step: int, *, dp_size: int | None = None) -> SftBatch:
+        """Publish supervised warm-up step ``step``'s batch; the reply says where to read it.
+
+        Safe to retry: the step fixes the examples, and a trainer reading the step skips an
+        earlier attempt's batch.
+        """
+        body: dict[str, Any] = {"step": step}
+        if dp_size is not None:
+            body["dp_size"] = dp_size
+        out = await self.request("POST", "/v1/sft-batches", json=body, idempotent=True)
+        return SftBatch.model_validate(out)
 
     async def job(self, job_id: str) -> RolloutJob:
         return RolloutJob.model_validate(await self.request("GET", f"/v1/rollouts/{job_id}", idempotent=True))

@@ -1,6 +1,6 @@
-"""Rollout manager wire schemas: rollouts (seed steps 14–32), engine memory (4–13, 33–36), weight
-bookkeeping (the seed's ``get_updatable_engines_and_lock``, 45–51), admission (44, 53), data-source
-state for checkpoints.
+"""Rollout manager wire schemas: rollouts (seed steps 14–32), supervised warm-up batches, engine
+memory (4–13, 33–36), weight bookkeeping (the seed's ``get_updatable_engines_and_lock``, 45–51),
+admission (44, 53), data-source state for checkpoints.
 
 Requests forbid unknown fields, so a typo is a 422 naming it rather than a silently ignored option.
 """
@@ -31,6 +31,29 @@ class RolloutRequest(_Request):
     """Block until done; false returns the job at once (202) to poll with GET /v1/rollouts/{job_id}."""
     dp_size: int | None = Field(None, ge=1)
     """The trainer's data-parallel size for the DP schedule; None uses the run config's."""
+
+
+class SftBatchRequest(_Request):
+    """``POST /v1/sft-batches``: publish supervised warm-up step ``step`` (prompts + their labels)."""
+
+    step: int = Field(ge=0)
+    """The warm-up step; it picks the prompts (the same step gives the same examples)."""
+    dp_size: int | None = Field(None, ge=1)
+    """The trainer's data-parallel size for the DP split; None uses the run config's."""
+
+
+class SftBatch(BaseModel):
+    """A published warm-up batch: ``global_batch_size`` prompts, each with its label as the response."""
+
+    step: int
+    run_id: str
+    """The run id it is published under (the manager's + ``:sft``): read it from that stream."""
+    batch_id: str
+    entry_id: str | None = None
+    """Redis stream entry (None when this batch id had been published already)."""
+    num_samples: int
+    dp_size: int
+    metrics: dict[str, float] = Field(default_factory=dict)
 
 
 class JobState(StrEnum):

@@ -38,6 +38,8 @@ class RunPhase(StrEnum):
     """Where the driver loop is (seed §1's timeline)."""
 
     STARTING = "starting"
+    WARMUP = "warmup"
+    """Supervised warm-up steps on the labels (``trainer.sft_warmup_steps``), before the first push."""
     ROLLOUT = "rollout"
     OFFLOAD = "offload"
     TRAIN = "train"

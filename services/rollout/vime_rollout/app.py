@@ -1,5 +1,5 @@
-"""The rollout manager's REST API (DESIGN.md §2): rollouts, engine memory, weight bookkeeping,
-admission, data-source state. State-changing routes need the bearer token.
+"""The rollout manager's REST API (DESIGN.md §2): rollouts, warm-up batches, engine memory, weight
+bookkeeping, admission, data-source state. State-changing routes need the bearer token.
 
 Errors are answers, not 500s: a rollout while engines sleep (or, for a training rollout, while
 admission is paused) is a 409, a second concurrent rollout a 409, an unknown job a 404, a rollout
@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
 
 from vime.service import ServiceError, create_app, make_token_checker
 from vime.wire.rollout import (
@@ -31,15 +32,19 @@ from vime.wire.rollout import (
     ResumeAdmissionRequest,
     RolloutJob,
     RolloutRequest,
+    SftBatch,
+    SftBatchRequest,
     TrainingCompleted,
     UpdatableEngines,
     UpdateLockRequest,
     WeightsLoadedRequest,
 )
+from vime_rollout.batch_builder import BatchBuildError
 from vime_rollout.data import DataStateError
 from vime_rollout.engines.records import EngineRecord, EngineStatus, LockHeld
 from vime_rollout.jobs import JobConflict
 from vime_rollout.manager import RolloutManager
+from vime_rollout.sft import SftLabelError
 
 REPORT_TIMEOUT_S = 2.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -145,11 +150,8 @@ def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size
     async def post_rollout(body: RolloutRequest, request: Request, response: Response) -> RolloutJob:
         m: RolloutManager = mgr(request)
         dp = body.dp_size or default_dp_size
-        gbs = m.cfg.global_batch_size or 0
-        if not body.evaluation and gbs % (m.cfg.micro_batch_size * dp):
-            raise ServiceError(
-                422, f"dp_size={dp}: global_batch_size={gbs} is not a multiple of micro_batch_size × dp_size"
-            )
+        if not body.evaluation:
+            _check_dp_size(m, dp)
         if body.evaluation and not m.eval_data:
             raise ServiceError(400, "no eval dataset configured (data.eval_prompt_data)")
         if m.jobs.find(body.rollout_id, body.evaluation) is None:
@@ -177,12 +179,34 @@ def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size
             raise ServiceError(502, f"rollout {job.rollout_id} failed: {job.error}", job_id=job.job_id)
         return job
 
+    @app.post("/v1/sft-batches", response_model=SftBatch, dependencies=auth)
+    async def post_sft_batch(body: SftBatchRequest, request: Request) -> SftBatch:
+        """The trainer's supervised warm-up step (engines not needed: they may sleep)."""
+        m: RolloutManager = mgr(request)
+        dp = body.dp_size or default_dp_size
+        _check_dp_size(m, dp)
+        try:
+            return await m.publish_sft(body.step, dp)
+        except (SftLabelError, BatchBuildError) as exc:
+            raise ServiceError(422, str(exc)) from None
+        except RedisError as exc:
+            raise ServiceError(503, f"Redis: {type(exc).__name__}: {exc}") from None
+
     @app.get("/v1/rollouts/{job_id}", response_model=RolloutJob)
     async def get_rollout(job_id: str, request: Request) -> RolloutJob:
         job = mgr(request).jobs.get(job_id)
         if job is None:
             raise ServiceError(404, f"no rollout job {job_id!r}")
         return job
+
+
+def _check_dp_size(m: RolloutManager, dp: int) -> None:
+    """422 when a step of ``global_batch_size`` samples cannot be split evenly over ``dp`` ranks."""
+    gbs = m.cfg.global_batch_size or 0
+    if gbs % (m.cfg.micro_batch_size * dp):
+        raise ServiceError(
+            422, f"dp_size={dp}: global_batch_size={gbs} is not a multiple of micro_batch_size × dp_size"
+        )
 
 
 def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:

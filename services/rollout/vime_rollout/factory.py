@@ -28,6 +28,7 @@ from vime_rollout.manager import RolloutManager
 from vime_rollout.model import load_tokenizer, served_model_name
 from vime_rollout.rollout.transport import RouterGenerator
 from vime_rollout.scorer import RewardScorer
+from vime_rollout.sft import sft_stream_run_id
 
 log = logging.getLogger("vime.rollout")
 
@@ -123,4 +124,5 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         ),
         eval_data=evals,
         sink=BatchSink(redis_url, run_id) if redis_url else None,
+        sft_sink=BatchSink(redis_url, sft_stream_run_id(run_id)) if redis_url else None,
     )

@@ -1,6 +1,8 @@
-"""The rollout manager: owns the engines, the data sources and the batch sink, and runs rollouts.
+"""The rollout manager: owns the engines, the data sources and the batch sinks, and runs rollouts
+(and publishes the trainer's supervised warm-up batches, `vime_rollout.sft`).
 
-One rollout at a time (seed steps 14–32): refuse while engines sleep or admission is paused, run
+One rollout at a time (seed steps 14–32): refuse while engines sleep (or, for training, while
+admission is paused), run
 the loop, hand aborted groups back (partial rollout), build and publish the batch. A rollout that
 fails restores the data source's position, so its prompts are not lost.
 """
@@ -14,7 +16,7 @@ from typing import Any
 
 from vime.config import RunConfig
 from vime.service import ServiceError
-from vime.wire.rollout import RolloutJob
+from vime.wire.rollout import RolloutJob, SftBatch
 from vime_rollout.batch_builder import BatchSink, build_batch
 from vime_rollout.data import DataSource, PromptDataset
 from vime_rollout.engines.group import EngineGroup
@@ -24,6 +26,7 @@ from vime_rollout.jobs import JobRegistry
 from vime_rollout.rollout.loop import generate_rollout
 from vime_rollout.rollout.metrics import eval_metrics, rollout_metrics
 from vime_rollout.rollout.state import GenerateState, Generator, SamplingSettings, Scorer
+from vime_rollout.sft import SftExamples, build_sft_batch
 
 log = logging.getLogger("vime.rollout.manager")
 
@@ -54,6 +57,7 @@ class RolloutManager:
         train_data: DataSource,
         eval_data: dict[str, PromptDataset],
         sink: BatchSink | None,
+        sft_sink: BatchSink | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_id = run_id
@@ -66,6 +70,15 @@ class RolloutManager:
         self.data = train_data
         self.eval_data = eval_data
         self.sink = sink
+        self.sft_sink = sft_sink
+        self.sft = SftExamples(
+            train_data.dataset,
+            tokenizer,
+            label_key=cfg.data.label_key,
+            max_response_len=cfg.rollout_max_response_len,
+            shuffle=cfg.data.rollout_shuffle,
+            seed=cfg.rollout_seed,
+        )
         self.jobs = JobRegistry(run_id)
         self.admission = Admission()
         self.filter = (
@@ -172,6 +185,35 @@ class RolloutManager:
             job.num_samples += sum(len(g) for g in out.groups)
         job.metrics = metrics
 
+    # --- supervised warm-up ------------------------------------------------------------------------
+    async def publish_sft(self, step: int, dp_size: int) -> SftBatch:
+        """Warm-up step ``step``: ``global_batch_size`` prompts with their labels, published like a
+        rollout's batch (on the ``:sft`` stream). Raises SftLabelError / BatchBuildError for data or
+        sizes that cannot make one."""
+        samples = self.sft.samples(step, self.cfg.global_batch_size or 0)
+        if self.sft_sink is None:
+            raise ServiceError(503, "no Redis configured: the warm-up batch cannot be published")
+        batch_id = await self.sft_sink.next_batch_id(step)
+        built = await asyncio.to_thread(
+            build_sft_batch,
+            self.cfg,
+            samples,
+            batch_id=batch_id,
+            run_id=self.sft_sink.run_id,
+            step=step,
+            dp_size=dp_size,
+        )
+        published = await self.sft_sink.publish(built)
+        return SftBatch(
+            step=step,
+            run_id=self.sft_sink.run_id,
+            batch_id=published.batch_id,
+            entry_id=published.entry_id,
+            num_samples=built.batch.num_samples,
+            dp_size=dp_size,
+            metrics=dict(built.batch.metrics),
+        )
+
     # --- data-source state -------------------------------------------------------------------------
     def data_state(self) -> dict[str, Any]:
         return self.data.state_dict()
@@ -190,5 +232,6 @@ class RolloutManager:
             closer = getattr(client, "aclose", None)
             if closer is not None:
                 await closer()
-        if self.sink is not None:
-            await self.sink.aclose()
+        for sink in (self.sink, self.sft_sink):
+            if sink is not None:
+                await sink.aclose()

@@ -1,10 +1,12 @@
 """The driver loop: seed steps 1–55, in the seed's order, readable in one screen (`Controller.run`).
 
-Colocated memory order of every step: the engines sleep (level 2, weights dropped) → the trainer
-wakes, trains, sleeps → the engines wake their ``weights`` → the push → admission resumes → the
-engines wake their KV cache. Checkpoints are taken right after training, while the trainer is
-awake and the engines asleep; a resumed run republishes the checkpoint's weights under the
-version they were (or were about to be) published as, so versions continue as if uninterrupted.
+Start-up runs the supervised warm-up (``trainer.sft_warmup_steps``) right after the trainer's
+ranks start, before the first weight push. Colocated memory order of every step: the engines
+sleep (level 2, weights dropped) → the trainer wakes, trains, sleeps → the engines wake their
+``weights`` → the push → admission resumes → the engines wake their KV cache. Checkpoints are
+taken right after training, while the trainer is awake and the engines asleep; a resumed run
+republishes the checkpoint's weights under the version they were (or were about to be)
+published as, so versions continue as if uninterrupted.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class Controller:
         engines = await self.ops.wait_rollout_manager()  # 2
         held = max((e.weight_version or 0 for e in engines), default=0)
         state = await self.ops.start_trainer(resume)  # 3
+        if state is None:  # a checkpoint already holds the warmed-up weights
+            await self.warm_up()
         first, version = self.cfg.start_rollout_id or 0, held + 1
         if state is not None:
             run_state = state.get("run_state") or {}
@@ -92,6 +96,27 @@ class Controller:
         await self.ops.training_ready()  # 9
         await self.ops.onload(KV)  # 10–13
         return first
+
+    async def warm_up(self) -> None:
+        """``trainer.sft_warmup_steps`` supervised steps on the labels, before the first push (so
+        the engines' first weights are the warmed-up ones) and while the engines still sleep."""
+        steps = self.cfg.trainer.sft_warmup_steps
+        if not steps:
+            return
+        self.ctx.set_phase(RunPhase.WARMUP)
+        self.ctx.events.record("sft.start", steps=steps)
+        t0, losses = time.perf_counter(), []
+        for step in range(steps):
+            if self.ctx.stop_requested:
+                raise RunStopped()
+            metrics = await self.ops.sft_step(step, steps)
+            losses.append(round(metrics.get("sft/loss", float("nan")), 5))
+            self.on_warmup(step, metrics)
+        seconds = round(time.perf_counter() - t0, 3)
+        self.ctx.events.record(
+            "sft.done", steps=steps, loss_first=losses[0], loss_last=losses[-1], seconds=seconds
+        )
+        self.ctx.set_phase(RunPhase.STARTING)
 
     def flush(self, version: int) -> bool:
         return should_flush_cache(self.cfg.flush_cache_interval, version, self.ops.start_version)
@@ -155,6 +180,9 @@ class Controller:
 
     def on_step(self, step: StepRecord) -> None:
         """Hook for the run's record (set by `runs.RunHandle`)."""
+
+    def on_warmup(self, step: int, metrics: dict[str, float]) -> None:
+        """Hook for the run's record of warm-up steps (set by `runs.RunHandle`)."""
 
     async def finish(self) -> RunState:
         """A stop that came after the step's save point still leaves a checkpoint of that step."""

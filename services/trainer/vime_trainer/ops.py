@@ -44,6 +44,7 @@ class Backend(Protocol):
     def dp_size(self) -> int: ...
     def start(self) -> None: ...
     def train(self, rollout_id: int, rank_batches: Sequence[RankBatch]) -> list[dict[str, float]]: ...
+    def train_sft(self, rank_batches: Sequence[RankBatch]) -> list[dict[str, float]]: ...
     def sleep(self) -> None: ...
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
     def load(self, path: str | None = None) -> dict[str, Any] | None: ...
@@ -163,6 +164,20 @@ class RunOps:
         self.events.record("rollout.training_completed", pending_batches=done.pending_batches)
         return {**train_metrics(steps), **batch_metrics(shares)}
 
+    async def sft_step(self, step: int, steps: int) -> dict[str, float]:
+        """One supervised warm-up step: the rollout manager publishes prompts with their labels as
+        responses (its data source has them), the ranks take the cross-entropy of the labels."""
+        assert self.batches is not None, "start_trainer first"
+        t0 = time.perf_counter()
+        reply = await self.rollout.sft_batch(step, dp_size=self.backend.dp_size)
+        shares = await self.batches.read(reply.run_id, reply.batch_id, step)
+        metrics = train_metrics(await asyncio.to_thread(self.backend.train_sft, shares), prefix="sft")
+        await self.batches.ack(reply.batch_id)
+        seconds = time.perf_counter() - t0
+        loss = metrics.get("sft/loss", float("nan"))
+        self.events.record("sft.step", step=step, steps=steps, loss=round(loss, 5), seconds=round(seconds, 3))
+        return {**metrics, **reply.metrics, "sft/seconds": seconds}
+
     # --- weight sync (seed steps 44–53) -------------------------------------------------------
     async def pause_admission(self) -> bool:
         result = await self.rollout.pause_admission()
@@ -265,11 +280,11 @@ class RunOps:
         await asyncio.to_thread(self.backend.shutdown)
 
 
-def train_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """The mean over the rollout's optimizer steps of each trainer metric, as ``train/<name>``."""
+def train_metrics(steps: list[dict[str, float]], prefix: str = "train") -> dict[str, float]:
+    """The mean over the optimizer steps of each trainer metric, as ``<prefix>/<name>``."""
     keys = sorted({k for s in steps for k in s})
-    out = {f"train/{k}": float(statistics.fmean(float(s[k]) for s in steps if k in s)) for k in keys}
-    out["train/optimizer_steps"] = float(len(steps))
+    out = {f"{prefix}/{k}": float(statistics.fmean(float(s[k]) for s in steps if k in s)) for k in keys}
+    out[f"{prefix}/optimizer_steps"] = float(len(steps))
     return out
 
 

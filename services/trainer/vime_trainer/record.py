@@ -3,13 +3,17 @@
 ``runs/<run_id>/metrics.jsonl`` gets one flat JSON object per step: the rollout id, the weight
 version pushed at its end, ``perf/T_<phase>`` seconds for each part of T_step and ``perf/T_step``
 itself, then the rollout manager's and the trainer's metrics. A resumed run appends to the same
-file. TensorBoard and wandb are optional: asked for but not installed is a warning, not a failure.
+file. The supervised warm-up's steps go to ``runs/<run_id>/warmup.jsonl`` (``sft_step``,
+``sft/loss``, ...), apart, so metrics.jsonl stays one line per RL step. TensorBoard gets both
+(warm-up under ``sft/`` tags on their own step axis); wandb only the RL steps (its one step axis
+is the rollout id). Both are optional: asked for but not installed is a warning, not a failure.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,7 @@ class RunRecord:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.events_path = self.dir / "events.jsonl"
+        self.warmup_path = self.dir / "warmup.jsonl"
         self.report_path = self.dir / "report.png"
         self._tb: Any = _tensorboard(self.dir / "tensorboard") if cfg.log_tensorboard else None
         self._wandb: Any = _wandb(cfg, run_id) if cfg.log_wandb else None
@@ -78,22 +83,42 @@ class RunRecord:
             self._wandb.log(scalars, step=step.rollout_id)
         return row
 
+    def warmup_step(self, step: int, metrics: dict[str, float]) -> dict[str, Any]:
+        """One supervised warm-up step's line in warmup.jsonl (and TensorBoard)."""
+        row: dict[str, Any] = {"run_id": self.run_id, "sft_step": step, "time": time.time(), **metrics}
+        with self.warmup_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log.info("warm-up step %d: loss %.4f", step, metrics.get("sft/loss", float("nan")))
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        return row
+
     def rows(self) -> list[dict[str, Any]]:
         """Every step of this run id, the newest line winning for a rollout id seen twice."""
-        if not self.metrics_path.exists():
-            return []
-        by_rollout: dict[int, dict[str, Any]] = {}
-        for line in self.metrics_path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                by_rollout[int(row["rollout_id"])] = row
-        return [by_rollout[k] for k in sorted(by_rollout)]
+        return _newest_by(self.metrics_path, "rollout_id")
+
+    def warmup_rows(self) -> list[dict[str, Any]]:
+        """Every warm-up step of this run id (the newest line winning for a step seen twice)."""
+        return _newest_by(self.warmup_path, "sft_step")
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _newest_by(path: Path, key: str) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` by ``key``, the newest line of each, in key order."""
+    if not path.exists():
+        return []
+    by_key: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_key[int(row[key])] = row
+    return [by_key[k] for k in sorted(by_key)]
 
 
 def _tensorboard(path: Path) -> Any:

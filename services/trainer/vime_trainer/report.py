@@ -41,6 +41,18 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def warmup_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The supervised warm-up in the summary: its steps and its first and last loss."""
+    losses = [float(r["sft/loss"]) for r in rows if "sft/loss" in r]
+    if not losses:
+        return {}
+    return {
+        "sft_steps": len(rows),
+        "sft_loss_first": round(losses[0], 4),
+        "sft_loss_last": round(losses[-1], 4),
+    }
+
+
 def draw_report(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """Three panels per step: reward mean ± std, response length, T_step stacked by phase."""
     if not rows:

@@ -25,7 +25,7 @@ from vime_trainer.controller import Controller
 from vime_trainer.events import EventLog
 from vime_trainer.ops import Backend, RunOps
 from vime_trainer.record import RunRecord
-from vime_trainer.report import draw_report, summarize
+from vime_trainer.report import draw_report, summarize, warmup_summary
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync, make_transport
 
@@ -81,11 +81,15 @@ class RunHandle:
         self.controller = Controller(self.ctx, self.ops)
         self.on_step = on_step
         self.controller.on_step = self._on_step  # type: ignore[method-assign]
+        self.controller.on_warmup = self._on_warmup  # type: ignore[method-assign]
         self.task: asyncio.Task[None] | None = None
 
     def _on_step(self, step: StepRecord) -> None:
         self.record.step(step)
         self.on_step(step)
+
+    def _on_warmup(self, step: int, metrics: dict[str, float]) -> None:
+        self.record.warmup_step(step, metrics)
 
     @property
     def busy(self) -> bool:
@@ -123,6 +127,7 @@ class RunHandle:
             "state": state.value,
             "error": error,
             **summarize(rows),
+            **warmup_summary(self.record.warmup_rows()),
             "next_rollout_id": self.ctx.status.next_rollout_id,
             "checkpoint": self.ctx.status.checkpoint,
             "metrics": str(self.record.metrics_path),

@@ -19,10 +19,17 @@ from vime_rollout.engines.group import EngineGroup
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.spec import EngineSpec
 from vime_rollout.manager import RolloutManager
+from vime_rollout.sft import SftExamples
 
 from vime.config import RunConfig, load_config
 
 TOKEN = "t0ken"
+COMMON: dict[str, Any] = {
+    "input_key": "prompt",
+    "label_key": "label",
+    "metadata_key": "metadata",
+    "apply_chat_template": False,
+}
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -46,14 +53,8 @@ def client(tokenizer: Any) -> Iterator[tuple[TestClient, StubWorld, FakeGenerato
     cfg = _cfg()
     world = StubWorld()
     gen = FakeGenerator()
-    common = {
-        "input_key": "prompt",
-        "label_key": "label",
-        "metadata_key": "metadata",
-        "apply_chat_template": False,
-    }
-    train = build_dataset("a", arithmetic_records(20, 1), tokenizer, max_prompt_len=64, **common)
-    evals = {"held": build_dataset("held", arithmetic_records(3, 2), tokenizer, max_prompt_len=64, **common)}
+    train = build_dataset("a", arithmetic_records(20, 1), tokenizer, max_prompt_len=64, **COMMON)
+    evals = {"held": build_dataset("held", arithmetic_records(3, 2), tokenizer, max_prompt_len=64, **COMMON)}
 
     async def start() -> RolloutManager:
         specs = [EngineSpec(k, "reference", "127.0.0.1", 9100 + k) for k in range(2)]
@@ -210,4 +211,22 @@ def test_data_state_round_trip_and_mismatch(client: Any) -> None:
     )
     assert "malformed" in _error(
         c.put("/v1/data-source/state", json={"state": {"version": 1}}, headers=AUTH), 409
+    )
+
+
+def test_sft_batches_need_the_token_labels_that_are_text_and_redis(client: Any, tokenizer: Any) -> None:
+    c, _, _ = client
+    assert c.post("/v1/sft-batches", json={"step": 0}).status_code == 401
+    assert "step" in _error(c.post("/v1/sft-batches", json={"step": -1}, headers=AUTH), 422)
+    assert "stp" in _error(c.post("/v1/sft-batches", json={"stp": 0}, headers=AUTH), 422)
+    assert c.post("/v1/engines/offload", headers=AUTH).status_code == 200  # the warm-up needs no engine
+    assert "no Redis" in _error(c.post("/v1/sft-batches", json={"step": 0}, headers=AUTH), 503)
+    assert "dp_size=3" in _error(c.post("/v1/sft-batches", json={"step": 0, "dp_size": 3}, headers=AUTH), 422)
+    records = [{"prompt": f"{i}=", "label": {"tests": [i]}} for i in range(8)]
+    dataset = build_dataset("code", records, tokenizer, max_prompt_len=64, **COMMON)
+    c.app.state.manager.sft = SftExamples(  # type: ignore[attr-defined]
+        dataset, tokenizer, label_key="label", max_response_len=8, shuffle=False, seed=0
+    )
+    assert "not text the model should emit" in _error(
+        c.post("/v1/sft-batches", json={"step": 0}, headers=AUTH), 422
     )

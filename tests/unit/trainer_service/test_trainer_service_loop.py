@@ -266,3 +266,51 @@ async def test_flush_interval_aborts_and_flushes_every_nth_version() -> None:
     await run.go()
     modes = [c[1]["mode"] for c in run.engines.states["http://e0"].calls if c[0] == "pause"]
     assert modes == ["abort", "keep", "abort", "keep"]  # v1 (first push), v2, v3, v4
+
+
+async def test_sft_warm_up_runs_after_the_ranks_start_and_before_the_first_push() -> None:
+    run = Run("trainer.sft_warmup_steps=3", "actor_num_cpu_ranks=2", backend=FakeBackend(dp_size=2))
+    phases: list[str] = []
+    run.backend.on_train_sft = lambda step: phases.append(run.ctx.status.phase.value)
+    warm: list[tuple[int, dict[str, float]]] = []
+    run.controller.on_warmup = lambda step, m: warm.append((step, m))  # type: ignore[method-assign]
+    assert await run.go() is RunState.FINISHED
+    assert run.actions(None)[:11] == [
+        "run.start",
+        "rollout.ready",
+        "trainer.start",
+        "trainer.load",  # no checkpoint: a fresh run warms up
+        "sft.start",
+        "sft.step",
+        "sft.step",
+        "sft.step",
+        "sft.done",
+        "trainer.sleep",
+        "engines.onload(weights)",  # then the first push (v1) carries the warmed-up weights
+    ]
+    assert run.backend.calls[:5] == ["start", "load", "train_sft 0", "train_sft 1", "train_sft 2"]
+    assert phases == ["warmup"] * 3
+    assert [v for name, v in run.rollout.calls if name == "sft"] == [(0, 2), (1, 2), (2, 2)]
+    assert run.batches[0].read_from == ["mgr:sft"] * 3 + ["mgr"] * 2  # warm-up stream, then the RL one
+    assert run.batches[0].acked[:3] == ["mgr:sft:0:0", "mgr:sft:1:0", "mgr:sft:2:0"]
+    steps = [e.detail for e in run.events.events if e.action == "sft.step"]
+    assert [(d["step"], d["steps"], d["loss"]) for d in steps] == [(0, 3, 3.0), (1, 3, 1.5), (2, 3, 1.0)]
+    done = next(e.detail for e in run.events.events if e.action == "sft.done")
+    assert (done["loss_first"], done["loss_last"]) == (3.0, 1.0)
+    assert [s for s, _ in warm] == [0, 1, 2] and warm[1][1]["sft/loss"] == 1.5
+    assert warm[0][1]["sft/optimizer_steps"] == 1.0 and warm[0][1]["sft/label_len_mean"] == 3.0
+
+
+async def test_a_resumed_run_does_not_warm_up_again() -> None:
+    saved = {0: {"rollout_id": 0, "next_rollout_id": 1, "run_state": {"weight_version": 2}}}
+    run = Run("trainer.sft_warmup_steps=3", backend=FakeBackend(checkpoints=saved), version=2)
+    assert await run.go() is RunState.FINISHED
+    assert not [c for c in run.rollout.calls if c[0] == "sft"] and "sft.start" not in run.actions()
+
+
+async def test_a_stop_during_the_warm_up_ends_the_run_before_any_push() -> None:
+    run = Run("trainer.sft_warmup_steps=5")
+    run.backend.on_train_sft = lambda step: run.ctx.request_stop() if step == 1 else None
+    assert await run.go() is RunState.STOPPED
+    assert [c for c in run.backend.calls if c.startswith("train_sft")] == ["train_sft 0", "train_sft 1"]
+    assert "weights.push" not in run.actions() and not run.backend.checkpoints and not run.steps

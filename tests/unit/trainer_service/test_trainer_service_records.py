@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from vime_trainer.record import RunRecord, step_line
-from vime_trainer.report import draw_report, summarize
+from vime_trainer.report import draw_report, summarize, warmup_summary
 from vime_trainer.runs import override_pairs, run_config
 from vime_trainer.weight_sync import transport_name
 
@@ -81,6 +81,25 @@ def test_metrics_lines_log_line_report_and_summary(tmp_path: Path) -> None:
     line = step_line(_step(3, 5, 0.25, 1.0))
     assert line.startswith("rollout 3 → v5 | T_step 3.70s = rollout 1.00 + offload 0.10 + train 2.00")
     assert "reward 0.250±0.200" in line and "len 13.0" in line
+
+
+def test_warm_up_steps_have_their_own_record_and_summary(tmp_path: Path) -> None:
+    cfg = load_config(overrides=[*BASE, f"output_dir={tmp_path}"], environ={})
+    record = RunRecord(cfg, "w1")
+    for step, loss in enumerate([4.0, 3.0, 2.5]):
+        record.warmup_step(step, {"sft/loss": loss, "sft/grad_norm": 1.0})
+    record.warmup_step(2, {"sft/loss": 2.25})  # a fresh restart redoing step 2: the newest line wins
+    record.step(_step(0, 2, 0.1, 1.0))
+    assert [r["sft_step"] for r in record.warmup_rows()] == [0, 1, 2]
+    assert [r["rollout_id"] for r in record.rows()] == [0]  # metrics.jsonl: RL steps only
+    lines = (tmp_path / "w1" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and "sft/loss" not in json.loads(lines[0])
+    assert warmup_summary(record.warmup_rows()) == {
+        "sft_steps": 3,
+        "sft_loss_first": 4.0,
+        "sft_loss_last": 2.25,
+    }
+    assert warmup_summary([]) == {}
 
 
 def test_request_config_goes_on_top_of_the_service_config(tmp_path: Path) -> None:

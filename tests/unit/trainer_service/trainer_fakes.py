@@ -5,7 +5,7 @@
   its weights are asleep, as the reference engine does.
 - `FakeRollout`: the rollout manager as `RolloutClient` methods, with its engine bookkeeping
   (asleep tags, weight versions, needs-weights, the update lock, admission).
-- `FakeBackend`: the trainer ranks (start, train, sleep, save/load) in memory.
+- `FakeBackend`: the trainer ranks (start, train, SFT warm-up, sleep, save/load) in memory.
 - `FakeTransport` / `FakeBatches`: buckets and Redis batches without Redis or files.
 """
 
@@ -29,6 +29,7 @@ from vime.wire.rollout import (
     JobState,
     MemoryResult,
     RolloutJob,
+    SftBatch,
     TrainingCompleted,
     UpdatableEngines,
 )
@@ -261,6 +262,17 @@ class FakeRollout:
             },
         )
 
+    async def sft_batch(self, step: int, *, dp_size: int | None = None) -> SftBatch:
+        self.calls.append(("sft", (step, dp_size)))
+        return SftBatch(
+            step=step,
+            run_id="mgr:sft",
+            batch_id=f"mgr:sft:{step}:0",
+            num_samples=8,
+            dp_size=dp_size or 1,
+            metrics={"sft/label_len_mean": 3.0},
+        )
+
     async def offload(self, level: int | None = None) -> MemoryResult:
         self.calls.append(("offload", level))
         for e in self.engines_:
@@ -339,6 +351,7 @@ class FakeBackend:
         self.asleep = False
         self.checkpoints = checkpoints if checkpoints is not None else {}
         self.on_train: Callable[[int], None] | None = None
+        self.on_train_sft: Callable[[int], None] | None = None
 
     def start(self) -> None:
         self.calls.append("start")
@@ -349,6 +362,13 @@ class FakeBackend:
         if self.on_train is not None:
             self.on_train(rollout_id)
         return [{"loss": 0.5, "grad_norm": 1.0}]
+
+    def train_sft(self, rank_batches: Sequence[Any]) -> list[dict[str, float]]:
+        self.calls.append(f"train_sft {rank_batches[0].rollout_id}")
+        self.asleep = False
+        if self.on_train_sft is not None:
+            self.on_train_sft(rank_batches[0].rollout_id)
+        return [{"loss": 3.0 / (1 + rank_batches[0].rollout_id), "grad_norm": 1.0}]
 
     def sleep(self) -> None:
         self.calls.append("sleep")

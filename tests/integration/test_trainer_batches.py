@@ -1,0 +1,85 @@
+"""The trainer's `BatchReader` against a real Redis: it reads from the stream the rollout manager's
+reply names (warm-up batches on ``<run>:sft``, rollouts on ``<run>``), skips an earlier attempt
+left pending, and acks every rank's share."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from vime_rollout.batch_builder import build_batch
+from vime_rollout.sft import build_sft_batch, sft_stream_run_id
+from vime_trainer.batches import BatchReader, BatchReadError
+
+from vime.config import RunConfig, load_config
+from vime.queue import BatchPublisher
+from vime.types import Sample, SampleStatus
+
+
+def _cfg() -> RunConfig:
+    over = [
+        "rollout_batch_size=2",
+        "n_samples_per_prompt=2",
+        "micro_batch_size=2",
+        "rollout_num_gpus=0",
+        "actor_num_gpus_per_node=0",
+        "actor_num_cpu_ranks=2",
+        "tensor_model_parallel_size=1",
+    ]
+    return load_config(overrides=over, environ={})
+
+
+def _samples(n: int, group_size: int = 1) -> list[Sample]:
+    return [
+        Sample(
+            tokens=[1, 2, 3, 4 + i],
+            response_length=2,
+            loss_mask=[1, 1],
+            reward=float(i % 2),
+            status=SampleStatus.COMPLETED,
+            index=i,
+            group_index=i // group_size,
+        )
+        for i in range(n)
+    ]
+
+
+async def _publish_sft(redis_url: str, run: str, step: int, attempt: int) -> str:
+    stream = sft_stream_run_id(run)
+    batch_id = f"{stream}:{step}:{attempt}"
+    built = build_sft_batch(_cfg(), _samples(4), batch_id=batch_id, run_id=stream, step=step, dp_size=2)
+    async with BatchPublisher(redis_url, stream) as pub:
+        await pub.publish(built.batch, built.shares)
+    return batch_id
+
+
+async def test_reads_each_batch_from_the_stream_its_reply_names(redis_url: str) -> None:
+    run = f"bt-{uuid.uuid4().hex[:8]}"
+    stale = await _publish_sft(redis_url, run, 0, 0)  # an attempt whose reply was lost
+    sft0 = await _publish_sft(redis_url, run, 0, 1)
+    groups = [_samples(4, 2)[:2], _samples(4, 2)[2:]]
+    built = build_batch(
+        _cfg(), groups, batch_id=f"{run}:0:0", run_id=run, rollout_id=0, weight_version=1, dp_size=2
+    )
+    async with BatchPublisher(redis_url, run) as pub:
+        await pub.publish(built.batch, built.shares)
+    reader = BatchReader(redis_url, 2, name_prefix=f"t-{run}")
+    try:
+        shares = await reader.read(sft_stream_run_id(run), sft0, 0, timeout_s=10)
+        assert [(s.batch_id, s.dp_rank, s.num_samples) for s in shares] == [(sft0, 0, 2), (sft0, 1, 2)]
+        assert all(float(s.advantages.min()) == 1.0 for s in shares) and stale != sft0
+        await reader.ack(sft0)
+        warm_consumers = list(reader._consumers)
+        rl = await reader.read(run, f"{run}:0:0", 0, timeout_s=10)  # the RL stream: the SFT one closed
+        assert [s.batch_id for s in rl] == [f"{run}:0:0"] * 2 and reader._consumers != warm_consumers
+        await reader.ack(f"{run}:0:0")
+        with pytest.raises(BatchReadError, match="no batch to read"):
+            await reader.read("", f"{run}:0:0", 0)
+        with pytest.raises(BatchReadError, match="did not arrive"):
+            await reader.read(run, f"{run}:1:0", 1, timeout_s=1)
+    finally:
+        await reader.aclose()
+    async with BatchPublisher(redis_url, run) as pub:
+        assert await pub.pending_count() == 0  # every rank acked the RL batch
+    async with BatchPublisher(redis_url, sft_stream_run_id(run)) as pub:
+        assert await pub.pending_count() == 0  # and the warm-up ones (the stale attempt skipped)
