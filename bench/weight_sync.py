@@ -6,76 +6,103 @@ buckets as safetensors in ``--dir``) → `WeightSync` (pause, start, one ``/upda
 bucket to every engine concurrently, finish with the version, resume) → CPU reference engines.
 Baseline: the same buckets written to the same directory and read back in this process.
 
-``--transport ipc`` (GPU host, one GPU, vLLM installed): the colocated flow of a step with a real
-``vllm serve`` started with dummy weights: engine ``/sleep?level=2`` → trainer sleeps → engine
-``/wake_up?tags=weights`` → IPC push (the ranks gather from their CPU backup onto the GPU and
-share each bucket by CUDA IPC handle) → ``/wake_up?tags=kv_cache``. Checked first: the engine's
-greedy next token equals the trainer's for every probe prompt after the push (and not before:
-dummy weights). Baseline: host→device copy of the same bytes on the rank.
+``--transport ipc`` (GPU host, one GPU, vLLM installed): a real ``vllm serve`` started by the
+rollout manager's command builder with dummy weights (``--load-format dummy``), and the trainer
+ranks on the same GPU. Each round is the colocated flow of a step: engine ``/sleep?level=2`` →
+engine ``/wake_up?tags=weights`` → IPC push → ``/wake_up?tags=kv_cache``, then the engine's greedy
+next token must equal the trainer's for every probe prompt (and must not before the first push:
+dummy weights). Two kinds of round:
 
-Printed per round: push seconds, baseline seconds, GB/s of both, and push / baseline (lower is
-better; the gap is the ranks' gather and conversion, the protocol's round trips and the engines'
-loading).
+- ``--rounds``: the trainer awake, the push reads its live GPU parameters — the transfer itself;
+  baseline: device-to-device copies of the same bytes on the rank (one flat copy, and one clone
+  per parameter), the floor of any GPU-to-GPU push;
+- ``--cpu-rounds``: the seed's order, the trainer asleep first (step 41), so the push reads the
+  CPU backup; baseline: the host→device copy of that backup.
 
-    python bench/weight_sync.py [--transport shm|ipc] [--size micro|small] [--engines 2] [--rounds 5]
+Printed per round: pause→resume seconds (``WeightSync.push``: pause, flush, start, every bucket,
+finish, resume), GB/s, the phases, the baseline and push / baseline. Goal for a Qwen3-4B shape
+(8.8 GB): ≤ 0.1 s pause→resume (vLLM 0.26's own IPC helper: 0.25–0.32 s on the same GPU).
+
+``--train-steps N`` then trains N GRPO steps on the same ranks (engines asleep) and prints the
+step time and MFU (6·N·tokens + causal attention against ``--peak-tflops``), so a 4B shape is
+built and loaded once for both figures. A final ``VIME_RESULT {...}`` line has everything.
+
+    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3
+    python bench/weight_sync.py [--transport shm] [--size micro|small] [--engines 2] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+from gpu_common import bench_model, emit, start_engine, train_steps, wait_engine
 from rich.console import Console
 from rich.table import Table
 
 from vime import procs
-from vime.config import load_config
-from vime.models.tiny import ensure_tiny_qwen3
+from vime.config import RunConfig, load_config
+from vime.models.tiny import QWEN3_SHAPES, SHAPES, build_tiny_qwen3, shape_named
 from vime.wire.rollout import EngineInfo
 
 console = Console()
-VLLM_ENV = {
-    "VLLM_SERVER_DEV_MODE": "1",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-}
+PROMPTS = [[(7 * i + 13 * j) % 90 + 3 for j in range(8)] for i in range(8)]
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default="shm", choices=("shm", "ipc"))
-    p.add_argument("--size", default="small", choices=("nano", "micro", "small"))
+    p.add_argument("--size", default="small", choices=[*SHAPES, *QWEN3_SHAPES])
     p.add_argument("--engines", type=int, default=2, help="shm: reference engines")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="pushes (ipc: from the awake trainer's GPU weights)")
+    p.add_argument(
+        "--cpu-rounds", type=int, default=0, help="ipc: pushes from the sleeping trainer's CPU backup"
+    )
+    p.add_argument("--train-steps", type=int, default=0, help="then train this many steps (MFU)")
+    p.add_argument("--train-samples", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--response-len", type=int, default=824)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     p.add_argument("--tp", type=int, default=1, help="shm: CPU trainer ranks (TP size)")
-    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--bucket-mb", type=int, default=None, help="default: 1024 (ipc, the trainer's), 64 (shm)")
     p.add_argument("--unpacked", action="store_true", help="ipc: one handle per tensor")
     p.add_argument("--dir", type=Path, default=None, help="shm: bucket directory (default: /dev/shm)")
-    return p.parse_args()
+    p.add_argument("--work", type=Path, default=None, help="scratch and logs (default: a temp dir)")
+    args = p.parse_args()
+    if args.bucket_mb is None:
+        args.bucket_mb = 1024 if args.transport == "ipc" else 64
+    return args
 
 
-def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> Any:
+def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig:
     ranks = (
         ["actor_num_gpus_per_node=1", "rollout_num_gpus=1", "rollout_num_gpus_per_engine=1"]
         if gpu
         else ["actor_num_gpus_per_node=0", "rollout_num_gpus=0", f"actor_num_cpu_ranks={args.tp}"]
     )
+    samples = args.train_samples if args.train_steps else 4
     return load_config(
         overrides=[
             *ranks,
             f"tensor_model_parallel_size={1 if gpu else args.tp}",
-            "rollout_batch_size=1",
-            "n_samples_per_prompt=4",
-            "micro_batch_size=4",
+            f"rollout_batch_size={samples}",
+            "n_samples_per_prompt=1",
+            f"micro_batch_size={min(args.micro_batch, samples)}",
+            "rollout_max_prompt_len=512",
+            "rollout_max_response_len=512",
+            "rollout_max_context_len=1024",
+            "engine.gpu_memory_utilization=0.2",
+            "engine.enforce_eager=true",
+            "engine.extra_args=[--load-format, dummy, --dtype, bfloat16]",
+            f"engine.base_port={procs.free_port()}",
             f"trainer.packed_buffer_size_bytes={args.bucket_mb << 20}",
             f"trainer.ipc_packed={not args.unpacked}",
             f"trainer.checkpoint_dir={work / 'ckpt'}",
@@ -84,24 +111,54 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> Any:
     )
 
 
-def report(rounds: list[tuple[int, int, float, float]]) -> None:
-    table = Table(
-        "round", "buckets", "MB", "push s", "push GB/s", "baseline s", "baseline GB/s", "push / baseline"
-    )
-    for r, (buckets, nbytes, push_s, base_s) in enumerate(rounds):
+def rows_table(title: str, rounds: list[dict[str, Any]]) -> None:
+    table = Table(title=title)
+    for col in [
+        "round",
+        "buckets",
+        "GB",
+        "pause→resume s",
+        "GB/s",
+        "update s",
+        "baseline",
+        "baseline s",
+        "push / baseline",
+    ]:
+        table.add_column(col, justify="right")
+    for i, r in enumerate(rounds):
         table.add_row(
-            str(r),
-            str(buckets),
-            f"{nbytes / 1e6:.1f}",
-            f"{push_s:.3f}",
-            f"{nbytes / push_s / 1e9:.2f}",
-            f"{base_s:.3f}",
-            f"{nbytes / base_s / 1e9:.2f}",
-            f"{push_s / base_s:.2f}",
+            str(i),
+            str(r["buckets"]),
+            f"{r['bytes'] / 1e9:.2f}",
+            f"{r['sync_s']:.3f}",
+            f"{r['bytes'] / r['sync_s'] / 1e9:.1f}",
+            f"{r['phases'].get('update', 0):.3f}",
+            r["baseline"],
+            f"{r['baseline_s']:.4f}",
+            f"{r['sync_s'] / r['baseline_s']:.1f}",
         )
     console.print(table)
-    ratio = statistics.median(p / b for _, _, p, b in rounds)
-    console.print(f"median push / baseline: {ratio:.2f} over {len(rounds)} rounds")
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rounds:
+        return {}
+    sync = statistics.median(r["sync_s"] for r in rounds)
+    base = statistics.median(r["baseline_s"] for r in rounds)
+    nbytes = rounds[0]["bytes"]
+    return {
+        "median_sync_s": round(sync, 4),
+        "GBps": round(nbytes / sync / 1e9, 2),
+        "baseline": rounds[0]["baseline"],
+        "median_baseline_s": round(base, 5),
+        "baseline_GBps": round(nbytes / base / 1e9, 1),
+        "push_over_baseline": round(sync / base, 1),
+        "median_phases_s": {
+            k: round(statistics.median(r["phases"].get(k, 0.0) for r in rounds), 4)
+            for k in rounds[0]["phases"]
+        },
+        "rounds": rounds,
+    }
 
 
 # --- shm (CPU) ------------------------------------------------------------------------------------
@@ -136,11 +193,12 @@ def tmpfs_round_trip(group: Any, directory: str | None) -> float:
     return time.perf_counter() - t0
 
 
-def run_shm(args: argparse.Namespace, work: Path, model: Path) -> list[tuple[int, int, float, float]]:
+def run_shm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from vime_trainer.megatron.actor_group import ActorGroup
     from vime_trainer.weight_sync import WeightSync
     from vime_trainer.weight_sync.shm import ShmTransport
 
+    model = build_tiny_qwen3(work / "model", args.size)
     directory = str(args.dir) if args.dir else None
     children, urls = start_reference_engines(model, args.engines, work / "logs")
     group = ActorGroup(trainer_config(work, args, gpu=False), str(model))
@@ -154,32 +212,31 @@ def run_shm(args: argparse.Namespace, work: Path, model: Path) -> list[tuple[int
         rounds = []
         for r in range(args.rounds):
             rep = asyncio.run(sync.push(infos, r + 1, flush=True))
-            rounds.append((rep.buckets, rep.nbytes, rep.seconds, tmpfs_round_trip(group, directory)))
-        return rounds
+            base = tmpfs_round_trip(group, directory)
+            rounds.append(_round(rep, "tmpfs write+read", base))
+        rows_table("shm push vs tmpfs round trip", rounds)
+        train = train_steps(group, args, shape_named(args.size), on_gpu=False) if args.train_steps else None
+        return {"shm": summarize(rounds), "train": train}
     finally:
         group.shutdown()
         for child in children:
             child.stop()
 
 
+def _round(rep: Any, baseline: str, baseline_s: float, **extra: Any) -> dict[str, Any]:
+    phases = {k: round(v, 4) for k, v in rep.phases.items()}
+    return {
+        "buckets": rep.buckets,
+        "bytes": rep.nbytes,
+        "sync_s": rep.seconds,
+        "phases": phases,
+        "baseline": baseline,
+        "baseline_s": baseline_s,
+        **extra,
+    }
+
+
 # --- ipc (GPU) ------------------------------------------------------------------------------------
-
-
-def start_vllm(model: Path, logs: Path) -> tuple[procs.Child, str]:
-    port = procs.free_port()
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port),
-        "--load-format", "dummy", "--enable-sleep-mode", "--enforce-eager", "--dtype", "bfloat16",
-        "--weight-transfer-config", json.dumps({"backend": "ipc"}), "--gpu-memory-utilization", "0.3",
-        "--max-model-len", "512",
-    ]  # fmt: skip
-    child = procs.start("vllm", argv, log_path=logs / "vllm.log", env=VLLM_ENV)
-    url = f"http://127.0.0.1:{port}"
-    procs.wait_healthy(url, child, timeout_s=600)
-    return child, url
-
-
-PROMPTS = [[(7 * i + 13 * j) % 120 + 3 for j in range(8)] for i in range(8)]
 
 
 def greedy_agrees(group: Any, url: str) -> bool:
@@ -189,12 +246,35 @@ def greedy_agrees(group: Any, url: str) -> bool:
     logits = next(x for x in group.call("logits", np.array(PROMPTS)) if x is not None)[:, -1, :]
     for prompt, row in zip(PROMPTS, logits, strict=True):
         body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
-        token = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()["choices"][0][
-            "token_ids"
-        ][0]
-        if row[token] < row.max() - 0.05:
+        out = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()
+        if row[out["choices"][0]["token_ids"][0]] < row.max() - 0.05:
             return False
     return True
+
+
+def device_copy_seconds(rank: Any) -> dict[str, float]:
+    """Runs in the rank: the same bytes copied on the GPU (one flat copy; one clone per parameter)."""
+    import torch
+
+    params = [p.detach() for p in rank.passes.model.parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    out: dict[str, float] = {}
+    for _ in range(2):  # the second of each is the figure (the first pays for allocation)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        out["flat"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        clones = [p.clone() for p in params]
+        torch.cuda.synchronize()
+        out["clones"] = time.perf_counter() - t0
+        del clones
+    del src, dst
+    torch.cuda.empty_cache()
+    return {**out, "bytes": float(nbytes)}
 
 
 def host_to_device_seconds(rank: Any) -> float:
@@ -207,54 +287,105 @@ def host_to_device_seconds(rank: Any) -> float:
     copies = [t.to("cuda", non_blocking=True) for t in backup.values()]
     torch.cuda.synchronize()
     del copies
+    torch.cuda.empty_cache()
     return time.perf_counter() - t0
 
 
-async def colocated_push(sync: Any, group: Any, url: str, info: EngineInfo, version: int) -> Any:
-    """Seed 33–36, 41, 43, 45–52, 54 on one GPU: engine sleeps, trainer sleeps, weights wake, push, KV wakes."""
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+async def colocated_push(
+    sync: Any, group: Any, url: str, info: EngineInfo, version: int, asleep: bool
+) -> Any:
+    """Seed 33–36, (41), 43, 45–52, 54 on one GPU: engine sleeps, (trainer sleeps,) weights wake, push, KV wakes."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         (await http.post("/sleep", params={"level": 2, "mode": "keep"})).raise_for_status()
-        await asyncio.to_thread(group.sleep)
+        if asleep:
+            await asyncio.to_thread(group.sleep)
+        t0 = time.perf_counter()
         (await http.post("/wake_up", params={"tags": "weights"})).raise_for_status()
+        wake_weights = time.perf_counter() - t0
         rep = await sync.push([info], version, flush=True)
+        t0 = time.perf_counter()
         (await http.post("/wake_up", params={"tags": "kv_cache"})).raise_for_status()
-    return rep
+        wake_kv = time.perf_counter() - t0
+    return rep, {"wake_weights_s": round(wake_weights, 4), "wake_kv_s": round(wake_kv, 4)}
 
 
-def run_ipc(args: argparse.Namespace, work: Path, model: Path) -> list[tuple[int, int, float, float]]:
-    from vime_trainer.megatron.actor_group import ActorGroup
+def ipc_rounds(args: argparse.Namespace, group: Any, url: str) -> dict[str, Any]:
     from vime_trainer.weight_sync import WeightSync
     from vime_trainer.weight_sync.ipc import IpcTransport, call_on_ranks
 
-    engine, url = start_vllm(model, work / "logs")
-    group = ActorGroup(trainer_config(work, args, gpu=True), str(model))
-    try:
-        group.start()
-        assert not greedy_agrees(group, url), (
-            "the engine agrees with the trainer before any push (not dummy weights?)"
-        )
-        sync = WeightSync(IpcTransport(group, packed=not args.unpacked))
-        info = EngineInfo(index=0, url=url, backend="vllm", status="ready", registered=True)
-        rounds = []
-        for r in range(args.rounds):
-            rep = asyncio.run(colocated_push(sync, group, url, info, r + 1))
+    if greedy_agrees(group, url):
+        raise SystemExit("the engine agrees with the trainer before any push (not dummy weights?)")
+    sync = WeightSync(IpcTransport(group, packed=not args.unpacked))
+    info = EngineInfo(index=0, url=url, backend="vllm", status="ready", registered=True, gpu_ids=[0])
+    gpu_rounds, cpu_rounds, version = [], [], 0
+    for asleep, count, rounds in ((False, args.rounds, gpu_rounds), (True, args.cpu_rounds, cpu_rounds)):
+        for r in range(count):
+            version += 1
+            rep, wakes = asyncio.run(colocated_push(sync, group, url, info, version, asleep))
             if not greedy_agrees(group, url):  # wakes the trainer again
                 raise SystemExit(f"round {r}: after the IPC push the engine disagrees with the trainer")
-            base = call_on_ranks(group, host_to_device_seconds)[0]
-            rounds.append((rep.buckets, rep.nbytes, rep.seconds, base))
-        console.print("[green]the engine generates the trainer's greedy tokens after every push[/]")
-        return rounds
+            if asleep:
+                rounds.append(
+                    _round(rep, "H2D copy", call_on_ranks(group, host_to_device_seconds)[0], **wakes)
+                )
+            else:
+                d2d = call_on_ranks(group, device_copy_seconds)[0]
+                rounds.append(
+                    _round(rep, "D2D flat copy", d2d["flat"], d2d_clones_s=round(d2d["clones"], 5), **wakes)
+                )
+    console.print("[green]the engine generates the trainer's greedy tokens after every push[/]")
+    rows_table("IPC push from the awake trainer's GPU weights vs D2D copy", gpu_rounds)
+    if cpu_rounds:
+        rows_table(
+            "IPC push from the sleeping trainer's CPU backup (the seed's order) vs H2D copy", cpu_rounds
+        )
+    return {"from_gpu": summarize(gpu_rounds), "from_cpu_backup": summarize(cpu_rounds)}
+
+
+def run_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """vLLM starts on a config-only copy (dummy weights) while the trainer's checkpoint is built on
+    CPU (nothing may allocate GPU memory while vLLM profiles it); then the ranks load it."""
+    from vime_trainer.megatron.actor_group import ActorGroup
+
+    cfg = trainer_config(work, args, gpu=True)
+    engine, url = start_engine(
+        cfg, bench_model(work / "engine-model", args.size, gpu=True, weights=False), "bench", work / "logs"
+    )
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            building = pool.submit(bench_model, work / "trainer-model", args.size, gpu=True)
+            wait_engine(engine, url)
+            engine_start = time.monotonic() - t0
+            trainer_model = building.result()
+        console.print(f"vLLM up in {engine_start:.0f}s; checkpoint built in {time.monotonic() - t0:.0f}s")
+        group = ActorGroup(cfg, str(trainer_model))
+        try:
+            t0 = time.monotonic()
+            group.start()
+            out: dict[str, Any] = {
+                "engine_start_s": round(engine_start, 1),
+                "trainer_start_s": round(time.monotonic() - t0, 1),
+            }
+            out |= ipc_rounds(args, group, url)
+            if args.train_steps:  # the engine sleeps while the trainer trains, as in a step
+                httpx.post(url + "/sleep", params={"level": 2}, timeout=300).raise_for_status()
+                out["train"] = train_steps(group, args, shape_named(args.size), on_gpu=True)
+            return out
+        finally:
+            group.shutdown()
     finally:
-        group.shutdown()
-        engine.stop()
+        engine.stop(grace_s=30)
 
 
 def main() -> None:
     args = parse_args()
-    work = Path(tempfile.mkdtemp(prefix="vime-bench-sync-"))
-    model = ensure_tiny_qwen3(work / "models", args.size)
-    console.print(f"{args.transport}: model {args.size} at {model}")
-    report(run_ipc(args, work, model) if args.transport == "ipc" else run_shm(args, work, model))
+    work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-sync-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shape = shape_named(args.size)
+    console.print(f"{args.transport}: model {args.size}, work dir {work}")
+    result = run_ipc(args, work) if args.transport == "ipc" else run_shm(args, work)
+    emit("weight_sync", transport=args.transport, size=args.size, shape=shape.__dict__, **result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,233 @@
+"""Shared pieces of the GPU benchmarks (`weight_sync.py`, `rollout_gpu.py`, `step_gpu.py`).
+
+- `emit`: the ``VIME_RESULT {...}`` line the GPU suite collects into ``results.json``;
+- `bench_model`: a random Qwen3 of a kit or real Qwen3 shape with a tokenizer that decodes every id
+  and a peaked output layer (`vime.models.tiny`), bf16 on the GPU;
+- `start_engine` / `wait_engine`: one engine started with the rollout manager's own command builder
+  (seed step 2), i.e. exactly the ``vllm serve`` line production runs;
+- `train_steps`: timed GRPO steps on started trainer ranks, with MFU;
+- `manager_payloads` / `direct_round`: the rollout manager's own generate requests, sent straight
+  to the engines (the "direct" side of a rollout comparison);
+- `write_prompts`, `start_services`: prompt files and the reward / router / Redis processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from vime import procs
+from vime.config import RunConfig
+from vime.models.tiny import TinyShape, build_tiny_qwen3, num_parameters
+
+console = Console(width=160)  # logs on the GPU machine are files: no terminal width
+LOGIT_SCALE = 5.0
+"""Output layer × 5: peaked next-token distributions, so greedy checks are not decided by bf16 noise."""
+
+
+def emit(name: str, **data: Any) -> None:
+    print("VIME_RESULT " + json.dumps({"name": name, **data}, default=str), flush=True)
+
+
+def bench_model(out: Path, size: str, *, gpu: bool, weights: bool = True) -> Path:
+    return build_tiny_qwen3(
+        out,
+        size,
+        dtype="bfloat16" if gpu else "float32",
+        fill_vocab=True,
+        logit_scale=LOGIT_SCALE,
+        weights=weights,
+    )
+
+
+def start_engine(cfg: RunConfig, model: Path, served_name: str, logs: Path) -> tuple[procs.Child, str]:
+    """Engine 0 of ``cfg`` (vLLM on GPU 0, or a reference engine), not yet waited for."""
+    from vime_rollout.engines.commands import engine_command
+    from vime_rollout.engines.spec import plan_engines
+
+    spec = plan_engines(cfg, gpus=list(range(cfg.rollout_num_gpus)))[0]
+    command = engine_command(cfg, spec, str(model), served_name)
+    child = procs.start(spec.name, command.argv, log_path=logs / f"{spec.name}.log", env=command.env)
+    return child, spec.url
+
+
+def wait_engine(child: procs.Child, url: str, timeout_s: float = 600.0) -> None:
+    try:
+        procs.wait_healthy(url, child, timeout_s=timeout_s, interval_s=0.5)
+    except BaseException:
+        child.stop(grace_s=10)
+        raise
+
+
+def train_batches(args: argparse.Namespace, cfg: RunConfig, vocab: int) -> list[Any]:
+    """``args.train_samples`` random samples (fixed prompt/response lengths, ±0.9354 advantages) per DP rank."""
+    import numpy as np
+
+    from vime.algorithms import build_dp_schedule
+    from vime.batch import RolloutBatch, split_by_dp
+    from vime.types import Sample, SampleStatus
+
+    rng = np.random.default_rng(0)
+    n, p, r = args.train_samples, args.prompt_len, args.response_len
+    samples = [
+        Sample(
+            tokens=rng.integers(3, vocab, size=p + r).tolist(),
+            response_length=r,
+            loss_mask=[1] * r,
+            reward=float(i % 2),
+            status=SampleStatus.COMPLETED,
+            index=i,
+            group_index=i // 8,
+        )
+        for i in range(n)
+    ]
+    adv = [0.9354 if i % 2 else -0.9354 for i in range(n)]
+    batch = RolloutBatch.from_samples(
+        samples, batch_id="bench", run_id="bench", rollout_id=0, weight_version=1, advantages=adv
+    )
+    lengths = batch.total_lengths().tolist()
+    schedule = build_dp_schedule(lengths, cfg.global_batch_size or n, cfg.micro_batch_size, cfg.dp_size)
+    return split_by_dp(batch, schedule)
+
+
+def train_flops(shape: TinyShape, tokens: int, seq: int) -> float:
+    """6·N per token plus attention (6·L·heads·head_dim·seq per token), as bench/train_step.py counts."""
+    attn = 6 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * seq
+    return float(6 * num_parameters(shape) * tokens + attn * tokens)
+
+
+def train_steps(group: Any, args: argparse.Namespace, shape: TinyShape, on_gpu: bool) -> dict[str, Any]:
+    """``args.train_steps`` GRPO steps (one more first, untimed) on started ranks: step time and MFU."""
+    rbs = train_batches(args, group.config, shape.vocab_size)
+    seq = args.prompt_len + args.response_len
+    tokens = args.train_samples * seq
+    times, metrics = [], {}
+    for step in range(args.train_steps + 1):
+        for rb in rbs:
+            rb.rollout_id = step
+        t0 = time.perf_counter()
+        metrics = group.train(step, rbs)[0]
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[1:])
+    mfu = train_flops(shape, tokens, seq) / step_s / (args.peak_tflops * 1e12) if on_gpu else None
+    shown = "n/a (CPU)" if mfu is None else f"{mfu:.1%}"
+    console.print(f"train: {tokens} tokens/step in {step_s:.3f}s = {tokens / step_s:,.0f} tok/s, MFU {shown}")
+    return {
+        "tokens_per_step": tokens,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s),
+        "mfu": None if mfu is None else round(mfu, 4),
+        "steps_s": [round(t, 4) for t in times],
+        "memory": group.call("memory_stats")[0],
+        "last_metrics": metrics,
+    }
+
+
+# --- rollouts: the manager's requests, sent straight to the engines ----------------------------
+
+
+def write_prompts(path: Path, count: int, length: int, seed: int = 0) -> Path:
+    """``count`` prompts of ``length`` printable characters (``length`` tokens with the kit tokenizer)."""
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + " +-*/=()"
+    lines = [
+        json.dumps({"prompt": "".join(rng.choices(alphabet, k=length)), "label": "x"}) for _ in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def manager_payloads(
+    cfg: RunConfig, model: Path, *, logprobs: int | None, evaluation: bool = False
+) -> list[dict[str, Any]]:
+    """The generate requests the rollout manager sends for one rollout (training or eval), in order."""
+    from vime_rollout.data import DataSource
+    from vime_rollout.factory import build_datasets
+    from vime_rollout.model import load_tokenizer, served_model_name
+    from vime_rollout.rollout.generate import request_payload
+    from vime_rollout.rollout.state import GenerateState, SamplingSettings
+
+    tok = load_tokenizer(model)
+    train, evals = build_datasets(cfg, tok)
+    if evaluation:
+        groups = [
+            g
+            for ds in evals.values()
+            for g in DataSource(ds, cfg.data.n_samples_per_eval_prompt, shuffle=False).get_samples(len(ds))
+        ]
+        sampling = SamplingSettings.for_eval(cfg)
+    else:
+        source = DataSource(train, cfg.n_samples_per_prompt, shuffle=False)
+        groups = source.get_samples(cfg.rollout_batch_size)
+        sampling = SamplingSettings.for_training(cfg)
+
+    class _Unused:
+        async def score(self, samples: list[Any]) -> list[Any]:
+            return []
+
+        async def generate(self, payload: dict[str, Any], *, session_id: str | None = None) -> dict[str, Any]:
+            return {}
+
+    state = GenerateState(
+        cfg=cfg,
+        tokenizer=tok,
+        generator=_Unused(),
+        scorer=_Unused(),
+        model_name=served_model_name(cfg, model),
+        sampling=sampling,
+        concurrency=1,
+        weight_version=lambda: 0,
+    )
+    return [request_payload(state, s, sampling.max_new_tokens, logprobs) for g in groups for s in g]
+
+
+async def direct_round(
+    urls: list[str], payloads: list[dict[str, Any]], concurrency: int
+) -> tuple[int, float]:
+    """All payloads straight to the engines (round-robin, ``concurrency`` in flight) with the HTTP
+    client the manager uses towards the router; (generated tokens, seconds)."""
+    from vime.clients.router import RouterDataClient
+    from vime.wire.vllm import GENERATE_PATH
+
+    sem = asyncio.Semaphore(concurrency)
+    clients = [RouterDataClient(u, timeout_s=1800) for u in urls]
+    targets = itertools.cycle(clients)
+
+    async def one(payload: dict[str, Any], client: RouterDataClient) -> int:
+        async with sem:
+            out = await client.post(GENERATE_PATH, payload)
+            return len(out["choices"][0]["token_ids"])
+
+    try:
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p, next(targets)) for p in payloads))
+        return sum(tokens), time.perf_counter() - t0
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+def start_services(cfg_path: Path, cfg: dict[str, Any], logs: Path) -> list[procs.Child]:
+    """Reward service and router (control plane + vllm-router) for ``cfg``, healthy."""
+    s = cfg["services"]
+    reward = procs.start(
+        "reward", procs.python_module("vime_reward", "--config", str(cfg_path)), log_path=logs / "reward.log"
+    )
+    router = procs.start(
+        "router",
+        procs.python_module("vime_router", "--config", str(cfg_path), "--log-dir", str(logs)),
+        log_path=logs / "router.log",
+    )
+    procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
+    procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
+    return [reward, router]

@@ -1,0 +1,269 @@
+"""The full colocated RL step on the GPU machine: ``T_step`` and each of its parts, the transitions'
+share of it, and the weight push's GB/s — the seed's scenario scaled to one GPU.
+
+The stack is what ``vime up`` starts (Redis, router, reward, rollout manager with one real vLLM
+engine, trainer service with Megatron ranks), on one GPU, colocated: vLLM sleeps while Megatron
+trains, weights go over CUDA IPC. A run of ``--rollouts`` steps (default 3) of ``--prompts`` × ``--n``
+samples (32 × 8) with responses up to ``--response-len`` (1024) tokens on a random model of a Qwen3
+shape (default 0.6B) is started over REST and followed to its end; the per-step record
+(``runs/<id>/metrics.jsonl``) and event log give
+
+    T_step = T_rollout + T_offload + T_train + T_onload_weights + T_weight_sync + T_onload_kv
+
+per step, the transitions (offload + onload weights + weight sync + onload KV) as % of T_step
+(goal < 3 %), and the push: bytes, pause→resume seconds (``weights.push`` → ``weights.resume``
+events) and GB/s. Step 0 pays warm-ups (first optimizer step, allocator growth); the summary is
+the median of the later steps.
+
+``--compare-rollout`` first measures, on the same engines before the run starts, the same
+requests sent straight to the engine vs through the manager + router (an eval rollout over the
+training prompts at temperature 1; nothing is published): output tokens/s and their ratio
+(goal ≥ 0.97). ``bench/rollout_gpu.py`` does this alone, with and without log-probs.
+
+    python bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 3
+    python bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 2  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_common import bench_model, console, direct_round, emit, manager_payloads, write_prompts
+from rich.table import Table
+
+from vime import procs
+from vime.clients.rollout import RolloutClient
+from vime.clients.trainer import TrainerClient
+from vime.config import RunConfig, load_config
+from vime.launch.signals import SignalLatch
+from vime.launch.stack import plan_stack
+from vime.launch.supervisor import Supervisor
+from vime.models.tiny import QWEN3_SHAPES, SHAPES
+from vime.wire.trainer import STEP_PHASES
+
+TOKEN = "bench-step-token"
+RUN_ID = "bench-step"
+PROMPT_LEN = 200
+TRANSITIONS = ("offload", "onload_weights", "weight_sync", "onload_kv")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=["vllm", "reference"], default="vllm")
+    p.add_argument("--size", default="qwen3-0.6b", choices=[*SHAPES, *QWEN3_SHAPES])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument("--rollouts", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
+    p.add_argument("--logprobs", action="store_true", help="request rollout log-probs (mismatch metrics on)")
+    p.add_argument("--compare-rollout", action="store_true")
+    p.add_argument("--work", type=Path, default=None)
+    return p.parse_args()
+
+
+def run_config(work: Path, args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    gpu = args.engine == "vllm"
+    layout: dict[str, Any] = (
+        {"rollout_num_gpus": 1, "actor_num_gpus_per_node": 1}
+        if gpu
+        else {
+            "rollout_num_gpus": 0,
+            "rollout_num_engines_cpu": 1,
+            "actor_num_gpus_per_node": 0,
+            "actor_num_cpu_ranks": 1,
+        }
+    )
+    engine: dict[str, Any] = {
+        "backend": args.engine,
+        "base_port": procs.free_port(),
+        "startup_timeout_s": 600,
+    }
+    if gpu:
+        engine |= {"gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
+    prompts = write_prompts(work / "prompts.jsonl", args.prompts, PROMPT_LEN)
+    ports = {
+        f"{n}_port": procs.free_port() for n in ("router", "router_control", "reward", "rollout", "trainer")
+    }
+    return {
+        **layout,
+        "run_id": RUN_ID,
+        "output_dir": str(work / "runs"),
+        "num_rollout": args.rollouts,
+        "rollout_batch_size": args.prompts,
+        "n_samples_per_prompt": args.n,
+        "num_steps_per_rollout": 1,
+        "micro_batch_size": args.micro_batch,
+        "rollout_num_gpus_per_engine": 1,
+        "tensor_model_parallel_size": 1,
+        "rollout_max_prompt_len": PROMPT_LEN + 56,
+        "rollout_max_response_len": args.response_len,
+        "rollout_max_context_len": PROMPT_LEN + 56 + args.response_len,
+        "vllm_server_concurrency": 512,
+        "colocate": True,
+        "get_mismatch_metrics": args.logprobs,
+        "model": {"hf_checkpoint": str(model), "served_model_name": "bench"},
+        "data": {
+            "prompt_data": str(prompts),
+            "eval_prompt_data": {"same": str(prompts)},
+            "n_samples_per_eval_prompt": args.n,
+            "eval_temperature": 1.0,
+            "rollout_shuffle": False,
+        },
+        "reward": {"rm_type": "exact_match", "num_workers": 2},
+        "engine": engine,
+        "trainer": {"lr": 1e-6, "checkpoint_dir": str(work / "ckpt")},
+        "services": {"host": "127.0.0.1", **ports, "api_token": TOKEN},
+    }
+
+
+async def compare_rollout(cfg: RunConfig, model: Path) -> dict[str, Any]:
+    """Before the run: wake the engines, send the eval rollout's requests direct, then through the
+    manager, and put the engines back to sleep as the run expects them."""
+    async with RolloutClient(cfg.services.url("rollout"), token=TOKEN, timeout=1800) as client:
+        await client.onload(None)
+        urls = [e.url for e in (await client.engines()).engines]
+        payloads = manager_payloads(cfg, model, logprobs=None, evaluation=True)
+        await direct_round(urls, payloads[:16], cfg.rollout_concurrency)  # warm-up
+        d_tokens, d_wall = await direct_round(urls, payloads, cfg.rollout_concurrency)
+        t0 = time.perf_counter()
+        job = await client.rollout(0, evaluation=True)
+        e2e = time.perf_counter() - t0
+        await client.offload()
+    m = job.metrics
+    m_tokens = m["eval/same/num_samples"] * m["eval/same/response_len_mean"]
+    out = {
+        "direct_tps": round(d_tokens / d_wall),
+        "manager_tps": round(m_tokens / m["eval/same/wall_s"]),
+        "manager_e2e_tps": round(m_tokens / e2e),
+        "direct_tokens": d_tokens,
+        "manager_tokens": round(m_tokens),
+    }
+    out["ratio"] = round(out["manager_tps"] / out["direct_tps"], 4)
+    out["ratio_e2e"] = round(out["manager_e2e_tps"] / out["direct_tps"], 4)
+    console.print(f"rollout direct vs manager (no log-probs): {out}")
+    return out
+
+
+async def run(cfg: RunConfig, timeout_s: float) -> tuple[Any, list[dict[str, Any]]]:
+    async with TrainerClient(cfg.services.url("trainer"), token=TOKEN, timeout=60) as client:
+        await client.start_run(run_id=RUN_ID)
+        status = await client.wait_run(RUN_ID, timeout_s=timeout_s, poll_s=1.0)
+        events = [e.model_dump() for e in (await client.events(RUN_ID)).events]
+    return status, events
+
+
+def push_figures(events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per rollout: bytes pushed, ``weights.push`` → ``weights.resume`` seconds, GB/s."""
+    out: dict[int, dict[str, float]] = {}
+    start: dict[int | None, float] = {}
+    for e in events:
+        rid = e["rollout_id"]
+        if e["action"] == "weights.push":
+            start[rid] = e["t"]
+        elif e["action"] == "weights.loaded" and rid is not None:
+            out.setdefault(rid, {})["bytes"] = float(e["detail"].get("nbytes", 0))
+        elif e["action"] == "weights.resume" and rid in start and rid is not None:
+            out.setdefault(rid, {})["pause_to_resume_s"] = e["t"] - start[rid]
+    for f in out.values():
+        if f.get("pause_to_resume_s"):
+            f["GBps"] = f.get("bytes", 0.0) / f["pause_to_resume_s"] / 1e9
+    return out
+
+
+def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, float]]) -> dict[str, Any]:
+    table = Table(title="colocated step: T_step and its parts (s)")
+    for col in (
+        "rollout id",
+        "T_step",
+        *STEP_PHASES,
+        "transitions %",
+        "push GB",
+        "pause→resume s",
+        "push GB/s",
+    ):
+        table.add_column(col, justify="right")
+    steps = []
+    for r in rows:
+        t = {p: r[f"perf/T_{p}"] for p in STEP_PHASES}
+        trans = sum(t[p] for p in TRANSITIONS) / r["perf/T_step"]
+        push = pushes.get(r["rollout_id"], {})
+        steps.append(
+            {
+                "rollout_id": r["rollout_id"],
+                "T_step": r["perf/T_step"],
+                **t,
+                "transitions_frac": trans,
+                **push,
+            }
+        )
+        table.add_row(
+            str(r["rollout_id"]),
+            f"{r['perf/T_step']:.2f}",
+            *(f"{t[p]:.3f}" for p in STEP_PHASES),
+            f"{trans:.2%}",
+            f"{push.get('bytes', 0) / 1e9:.2f}",
+            f"{push.get('pause_to_resume_s', float('nan')):.3f}",
+            f"{push.get('GBps', float('nan')):.1f}",
+        )
+    console.print(table)
+    steady = steps[1:] or steps
+    keys = ("T_step", *STEP_PHASES, "transitions_frac", "pause_to_resume_s", "GBps")
+    median = {
+        k: round(statistics.median(s[k] for s in steady if k in s), 4)
+        for k in keys
+        if any(k in s for s in steady)
+    }
+    console.print(
+        f"median of steps {[s['rollout_id'] for s in steady]}: {median} (goal: transitions < 3% of T_step)"
+    )
+    return {"steps": steps, "steady_median": median, "goal_transitions_frac": 0.03}
+
+
+def main() -> None:
+    args = parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-step-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    model = bench_model(work / "model", args.size, gpu=args.engine == "vllm")
+    console.print(f"model {args.size} built in {time.monotonic() - t0:.0f}s")
+    plan = plan_stack(load_config(base=run_config(work, args, model), environ={}))
+    sup = Supervisor(plan, console, SignalLatch())
+    out: dict[str, Any] = {
+        "engine": args.engine,
+        "size": args.size,
+        "samples": args.prompts * args.n,
+        "response_len": args.response_len,
+    }
+    try:
+        t0 = time.monotonic()
+        sup.start()
+        out["stack_start_s"] = round(time.monotonic() - t0, 1)
+        if args.compare_rollout:
+            out["rollout_compare"] = asyncio.run(compare_rollout(plan.cfg, model))
+        t0 = time.monotonic()
+        status, events = asyncio.run(run(plan.cfg, timeout_s=3000))
+        out |= {"run_s": round(time.monotonic() - t0, 1), "state": str(status.state), "error": status.error}
+    finally:
+        sup.stop()
+    (work / "events.json").write_text(json.dumps(events, indent=1))
+    rows = [
+        json.loads(x)
+        for x in (work / "runs" / RUN_ID / "metrics.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
+    out |= report(rows, push_figures(events))
+    emit("step", **out)
+
+
+if __name__ == "__main__":
+    main()

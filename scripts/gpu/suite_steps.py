@@ -1,0 +1,148 @@
+"""The steps of the GPU suite (`suite.py`): what each runs on the GPU and in the CPU dry run.
+
+Each step is one command run from the repository root. ``expect_s`` is what it took (or is
+estimated to take) on one H200 with the bundle installed, ``timeout_s`` its hard limit; the driver
+also cuts a step's limit to what is left of the call's budget. Steps are independent: any subset
+runs in any order, in one call.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    doc: str
+    gpu: list[str]
+    dry: list[str]
+    timeout_s: float
+    expect_s: float
+    pytest: bool = False
+    work_arg: bool = True
+    """Benches: pass ``--work DIR`` so their logs land where the driver collects them."""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _pytest(*paths: str) -> list[str]:
+    return ["-m", "pytest", *paths]
+
+
+def _args(text: str) -> list[str]:
+    return shlex.split(text)
+
+
+STEPS: dict[str, Step] = {
+    s.name: s
+    for s in [
+        Step(
+            "contract",
+            "the engine contract suite against real vllm serve (IPC pusher), started by the rollout manager's command builder",
+            _pytest("tests/gpu/test_vllm_contract.py"),
+            _pytest("tests/gpu/test_vllm_contract.py"),
+            timeout_s=300,
+            expect_s=160,
+            pytest=True,
+        ),
+        Step(
+            "megatron",
+            "Megatron logits vs HF within bf16 noise (TP=1; TP=2 on 2 GPUs) + the backend's own GPU test",
+            _pytest("tests/gpu/test_megatron_logits.py", "tests/integration/test_megatron_gpu.py"),
+            _pytest("tests/gpu/test_megatron_logits.py", "tests/integration/test_megatron_gpu.py"),
+            timeout_s=240,
+            expect_s=100,
+            pytest=True,
+        ),
+        Step(
+            "loop",
+            "the colocated loop, 3 rollouts, real vLLM + Megatron + IPC: versions, mismatch, memory order",
+            _pytest("tests/gpu/test_colocated_loop.py"),
+            _pytest("tests/gpu/test_colocated_loop.py"),
+            timeout_s=420,
+            expect_s=210,
+            pytest=True,
+        ),
+        Step(
+            "bench_sync",
+            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM over IPC vs D2D copy; 4B train-step MFU",
+            _args(
+                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3"
+            ),
+            _args("bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2 --train-steps 1"),
+            timeout_s=360,
+            expect_s=220,
+        ),
+        Step(
+            "bench_step",
+            "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts",
+            _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
+            + _args("--rollouts 3 --compare-rollout"),
+            _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
+            + _args("--rollouts 2 --compare-rollout"),
+            timeout_s=360,
+            expect_s=240,
+        ),
+        Step(
+            "bench_rollout",
+            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs",
+            _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024"),
+            _args("bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16"),
+            timeout_s=330,
+            expect_s=220,
+        ),
+        Step(
+            "bench_train",
+            "Megatron train step vs HF + AdamW (bench/train_step.py), Qwen3-0.6B shape",
+            _args(
+                "bench/train_step.py --shape 0.6b --gpus 1 --samples 32 --prompt-len 200 --response-len 800"
+            )
+            + _args("--micro-batch 4 --steps 3"),
+            _args(
+                "bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 2"
+            ),
+            timeout_s=240,
+            expect_s=150,
+            work_arg=False,
+        ),
+    ]
+}
+
+GROUPS: dict[str, list[str]] = {
+    "tests": ["contract", "megatron", "loop"],
+    "benches": ["bench_sync", "bench_step"],
+    "all": list(STEPS),
+}
+"""Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second."""
+
+
+class SelectionError(ValueError):
+    """A step or group name the suite does not know."""
+
+
+def select(names: list[str]) -> list[Step]:
+    """Steps by name or group, in the order given, each once; nothing given is ``tests``."""
+    chosen: list[str] = []
+    for name in names or ["tests"]:
+        expanded = GROUPS.get(name, [name])
+        for step in expanded:
+            if step not in STEPS:
+                known = ", ".join([*STEPS, *GROUPS])
+                raise SelectionError(f"unknown step {step!r}: choose from {known}")
+            if step not in chosen:
+                chosen.append(step)
+    return [STEPS[n] for n in chosen]
+
+
+def command(step: Step, *, dry: bool, work: Path, basetemp: Path, junit: Path) -> list[str]:
+    """The argv of a step (this interpreter), with the per-step directories the driver collects."""
+    argv = [sys.executable, *(step.dry if dry else step.gpu)]
+    if step.pytest:
+        argv += ["-q", "-s", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts="]
+        argv += [f"--basetemp={basetemp}", f"--junitxml={junit}"]
+    elif step.work_arg:
+        argv += ["--work", str(work)]
+    return argv

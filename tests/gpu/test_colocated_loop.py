@@ -1,0 +1,249 @@
+"""The seed's colocated loop on the GPU machine, end to end, for three rollouts.
+
+One GPU: trainer TP=1 (Megatron, Ray actor) and one real vLLM engine share the card; two GPUs:
+TP=2 and two engines. Redis, the router, the reward service (a user reward with spread, so
+gradients are non-zero), the rollout manager (``engine.backend: vllm``) and the trainer service
+are started as ``vime up`` starts them; the run goes over REST. Weights reach vLLM over CUDA IPC.
+
+Checked:
+- weight versions advance 1 → 2 → 3 → 4: each rollout's samples carry the version pushed before
+  it, the engines hold the last one, and the engines' greedy output is no longer the checkpoint's;
+- train/inference mismatch: the trainer recomputes the rollout's log-probs (``get_mismatch_metrics``)
+  and reports mean |Δlogprob| and the fraction of tokens above 0.1 — small for every step, also
+  for the steps whose weights were pushed over IPC;
+- memory in the seed's order, read at each transition through a recording proxy in front of the
+  rollout manager: engine memory drops at offload, the trainer takes memory during training and
+  gives it back, engine weights come back before the push, the KV cache last, and the push
+  leaves nothing behind.
+
+The dry run (``VIME_GPU_DRY_RUN=1``) runs the same loop with one reference engine, one CPU rank,
+the shm transport and a tiny model; memory is then the reference engine's own account of its
+weights and KV cache (the trainer's share is not measurable there and is not asserted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from gpu_support import (
+    EngineMemory,
+    GpuMemory,
+    MemorySampler,
+    build_model,
+    cuda_gpus,
+    env_path,
+    record,
+)
+from loop_support import (
+    EXPECTED_START_ORDER,
+    EXPECTED_STEP_ORDER,
+    NUM_ROLLOUT,
+    TOKEN,
+    LoopStack,
+    StepMemory,
+    loop_config,
+    split_steps,
+    step_figures,
+)
+from rollout_proxy import RecordingProxy
+
+from vime.clients.trainer import TrainerClient
+from vime.models.tiny import num_parameters, shape_named
+from vime.wire.trainer import RunState
+
+HERE = Path(__file__).resolve().parent
+PROBE = [5, 17, 30, 41, 52, 9, 12, 3]
+MIB = 1 << 20
+
+
+def hf_greedy(model: Path, n: int) -> list[int]:
+    """The checkpoint's greedy continuation of PROBE (transformers, fp32, CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    ids = list(PROBE)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(m(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROBE) :]
+
+
+def engine_greedy(url: str, n: int) -> list[int]:
+    body = {"token_ids": PROBE, "sampling_params": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    return list(
+        httpx.post(url + "/inference/v1/generate", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    )
+
+
+async def run_to_end(trainer_url: str, proxy_url: str, timeout_s: float) -> tuple[Any, list[dict[str, Any]]]:
+    async with TrainerClient(trainer_url, token=TOKEN, timeout=60) as client:
+        await client.start_run({"services": {"rollout_url": proxy_url}}, run_id="gpu-loop")
+        status = await client.wait_run("gpu-loop", timeout_s=timeout_s, poll_s=1.0)
+        events = [e.model_dump() for e in (await client.events("gpu-loop")).events]
+    return status, events
+
+
+@pytest.mark.timeout(1200)
+def test_colocated_loop_three_rollouts(gpu: bool, tmp_path: Path) -> None:
+    gpus = min(cuda_gpus(), 2) if gpu else 0
+    shape = "qwen3-0.6b" if gpu else "micro"
+    model = build_model(tmp_path / "model", shape, gpu=gpu)
+    n_params = num_parameters(shape_named(shape))
+    before = hf_greedy(model, 8)
+    with env_path("PYTHONPATH", HERE):  # the reward service imports gpu_rewards
+        stack = LoopStack.start(loop_config(tmp_path, model, gpus))
+    try:
+        engines = httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"]
+        urls = [e["url"] for e in engines]
+        probe = GpuMemory(list(range(gpus))).used if gpu else EngineMemory(urls).used
+        with MemorySampler(probe) as sampler, RecordingProxy(stack.url("rollout"), probe) as proxy:
+            status, events = asyncio.run(run_to_end(stack.url("trainer"), proxy.url, 900))
+        after = engine_greedy(urls[0], 8)
+        engines = httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"]
+    finally:
+        stack.stop()
+    (tmp_path / "proxy_calls.json").write_text(json.dumps(proxy.dump(), indent=1))
+    rows = [
+        json.loads(x) for x in (tmp_path / "runs" / "gpu-loop" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = split_steps(proxy.calls)
+    memory = [step_figures(s, peak_in_train(s, sampler)) for s in steps]
+    report(rows, memory, status, gpus)
+    assert status.state == RunState.FINISHED, status.error
+
+    problems = check_versions(rows, status, engines) + check_mismatch(rows, gpu)
+    if after == before:
+        problems.append("the engine still generates the checkpoint's greedy tokens after 3 updates")
+    if not all(r["train/grad_norm"] > 0 for r in rows):
+        problems.append(f"zero gradients: {[r['train/grad_norm'] for r in rows]}")
+    if steps[0].order() != EXPECTED_START_ORDER:
+        problems.append(f"start-up calls out of order: {steps[0].order()}")
+    for step in steps[1:]:
+        if step.order() != EXPECTED_STEP_ORDER:
+            problems.append(f"rollout {step.rollout_id} calls out of order: {step.order()}")
+    weight_bytes = (2 if gpu else 4) * n_params * max(gpus, 1)
+    for step in steps:
+        problems += check_memory(step, sampler, gpu, weight_bytes)
+    if [e["action"] for e in events].count("weights.loaded") != NUM_ROLLOUT + 1:
+        problems.append("not one push at start-up and one per rollout")
+    record("loop_problems", problems=problems)
+    assert not problems, "\n".join(problems)
+
+
+def peak_in_train(step: StepMemory, sampler: MemorySampler) -> int | None:
+    off, done = step.first("POST /v1/engines/offload"), step.first("POST /v1/training-completed")
+    return None if off is None or done is None else sampler.peak(off.t1, done.t0)
+
+
+def report(rows: list[dict[str, Any]], memory: list[dict[str, Any]], status: Any, gpus: int) -> None:
+    keep = (
+        "train/mismatch_mean_abs",
+        "train/mismatch_frac_above",
+        "train/mismatch_tokens",
+        "train/grad_norm",
+    )
+    keep += ("batch/weight_version_min", "batch/weight_version_max", "rollout/reward_std")
+    record(
+        "loop",
+        gpus=gpus,
+        state=status.state,
+        error=status.error,
+        weight_version=status.weight_version,
+        steps=[
+            {
+                "rollout_id": r["rollout_id"],
+                "weight_version": r["weight_version"],
+                **{k.split("/", 1)[1]: r.get(k) for k in keep},
+                **{k.removeprefix("perf/"): round(v, 3) for k, v in r.items() if k.startswith("perf/T_")},
+            }
+            for r in rows
+        ],
+        memory=memory,
+    )
+
+
+def check_versions(rows: list[dict[str, Any]], status: Any, engines: list[dict[str, Any]]) -> list[str]:
+    """Rollout k generated with version k+1 and pushed k+2; the engines hold the last one."""
+    problems = []
+    if [r["rollout_id"] for r in rows] != list(range(NUM_ROLLOUT)):
+        problems.append(f"steps recorded: {[r['rollout_id'] for r in rows]}")
+    for k, r in enumerate(rows):
+        versions = (r.get("batch/weight_version_min"), r.get("batch/weight_version_max"), r["weight_version"])
+        if versions != (k + 1, k + 1, k + 2):
+            problems.append(f"rollout {k}: samples of versions {versions[:2]}, pushed {versions[2]}")
+    held = [e["weight_version"] for e in engines]
+    if status.weight_version != NUM_ROLLOUT + 1 or held != [NUM_ROLLOUT + 1] * len(engines):
+        problems.append(f"final version {status.weight_version}, engines hold {held}")
+    return problems
+
+
+def check_mismatch(rows: list[dict[str, Any]], gpu: bool) -> list[str]:
+    """bf16 engines vs bf16 Megatron on the same weights: small; fp32 on CPU: tiny."""
+    mean_bound, frac_bound = (0.1, 0.2) if gpu else (1e-3, 0.0)
+    problems = []
+    for r in rows:
+        mean, frac = r.get("train/mismatch_mean_abs"), r.get("train/mismatch_frac_above")
+        if not r.get("train/mismatch_tokens") or mean is None or frac is None:
+            problems.append(f"rollout {r['rollout_id']}: no mismatch metrics")
+        elif mean > mean_bound or frac > frac_bound:
+            problems.append(f"rollout {r['rollout_id']}: mismatch mean |Δ| {mean:.4f}, {frac:.1%} above 0.1")
+    return problems
+
+
+def check_memory(step: StepMemory, sampler: MemorySampler, gpu: bool, weight_bytes: int) -> list[str]:
+    """The seed's memory order at this step's transitions (start-up: the last four only)."""
+    name = f"rollout {step.rollout_id}" if step.rollout_id is not None else "start-up"
+    w_on = step.first("POST /v1/engines/onload(weights)")
+    kv_on = step.first("POST /v1/engines/onload(kv_cache")
+    loaded = step.first("POST /v1/engines/weights-loaded")
+    if not (w_on and kv_on and loaded) or None in (
+        w_on.before,
+        w_on.after,
+        kv_on.before,
+        kv_on.after,
+        loaded.after,
+    ):
+        return [f"{name}: memory transitions missing"]
+    problems = []
+    if w_on.after - w_on.before < weight_bytes // 2:
+        problems.append(
+            f"{name}: engine weights did not come back before the push ({w_on.before} → {w_on.after})"
+        )
+    if gpu and loaded.after - w_on.after > 256 * MIB + weight_bytes // 4:
+        problems.append(f"{name}: the push left {(loaded.after - w_on.after) >> 20} MiB in use")
+    if step.rollout_id is None:
+        return problems
+    off, done = step.first("POST /v1/engines/offload"), step.first("POST /v1/training-completed")
+    if not (off and done) or None in (off.before, off.after, done.before):
+        return [*problems, f"{name}: offload or training-completed not recorded"]
+    dropped = off.before - off.after
+    if off.after >= off.before / 2 or dropped < weight_bytes:
+        problems.append(f"{name}: offload freed only {dropped >> 20} MiB ({off.before} → {off.after})")
+    if gpu:
+        if kv_on.after - kv_on.before < (dropped - weight_bytes) // 2:
+            problems.append(
+                f"{name}: KV woke with {(kv_on.after - kv_on.before) >> 20} of {dropped >> 20} MiB"
+            )
+        problems += trainer_memory(name, off.after, done.before, sampler.peak(off.t1, done.t0), weight_bytes)
+    return problems
+
+
+def trainer_memory(
+    name: str, engines_off: int, trained: int, peak: int | None, weight_bytes: int
+) -> list[str]:
+    """While the engines sleep the trainer takes memory (≥ bf16 weights + grads) and gives it back."""
+    if peak is None:
+        return [f"{name}: no memory sample during training"]
+    taken, kept = peak - engines_off, trained - engines_off
+    problems = []
+    if taken < 2 * weight_bytes:
+        problems.append(f"{name}: the trainer took only {taken >> 20} MiB while training")
+    if kept > 256 * MIB + taken // 10:
+        problems.append(f"{name}: {kept >> 20} MiB still held after the trainer slept")
+    return problems
