@@ -84,6 +84,8 @@ class Prober:
         change = self.registry.record_probe(engine, ok, error, in_flight)
         if change == "ejected":
             log.warning("engine %s (%s) ejected: %s", engine.id, engine.url, error)
+            # Out of the data plane now, not after the slowest probe of this round.
+            await self.on_change()
         elif change == "admitted":
             log.warning("engine %s (%s) admitted", engine.id, engine.url)
         return change
