@@ -158,9 +158,12 @@ class DockerLauncher:
         try:
             import docker
         except ImportError:
+            docker = None
+        # A checkout's docker/ folder (the Dockerfiles) imports as an empty namespace package.
+        if not hasattr(docker, "from_env"):
             raise RuntimeError(
                 "engine.launcher=docker needs the Docker SDK: pip install 'vime-rollout[docker]'"
-            ) from None
+            )
 
         self.client = docker.from_env()
         self.run_id = run_id
