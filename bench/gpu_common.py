@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
 from vime import procs
 from vime.config import RunConfig
@@ -231,3 +232,69 @@ def start_services(cfg_path: Path, cfg: dict[str, Any], logs: Path) -> list[proc
     procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
     procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
     return [reward, router]
+
+
+# --- weight-sync rounds -----------------------------------------------------------------------
+
+
+def sync_table(title: str, rounds: list[dict[str, Any]]) -> None:
+    table = Table(title=title)
+    for col in [
+        "round",
+        "buckets",
+        "GB",
+        "pause→resume s",
+        "GB/s",
+        "update s",
+        "baseline",
+        "baseline s",
+        "push / baseline",
+    ]:
+        table.add_column(col, justify="right")
+    for i, r in enumerate(rounds):
+        table.add_row(
+            str(i),
+            str(r["buckets"]),
+            f"{r['bytes'] / 1e9:.2f}",
+            f"{r['sync_s']:.3f}",
+            f"{r['bytes'] / r['sync_s'] / 1e9:.1f}",
+            f"{r['phases'].get('update', 0):.3f}",
+            r["baseline"],
+            f"{r['baseline_s']:.4f}",
+            f"{r['sync_s'] / r['baseline_s']:.1f}",
+        )
+    console.print(table)
+
+
+def sync_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rounds:
+        return {}
+    sync = statistics.median(r["sync_s"] for r in rounds)
+    base = statistics.median(r["baseline_s"] for r in rounds)
+    nbytes = rounds[0]["bytes"]
+    return {
+        "median_sync_s": round(sync, 4),
+        "GBps": round(nbytes / sync / 1e9, 2),
+        "baseline": rounds[0]["baseline"],
+        "median_baseline_s": round(base, 5),
+        "baseline_GBps": round(nbytes / base / 1e9, 1),
+        "push_over_baseline": round(sync / base, 1),
+        "median_phases_s": {
+            k: round(statistics.median(r["phases"].get(k, 0.0) for r in rounds), 4)
+            for k in rounds[0]["phases"]
+        },
+        "rounds": rounds,
+    }
+
+
+def sync_round(rep: Any, baseline: str, baseline_s: float, **extra: Any) -> dict[str, Any]:
+    phases = {k: round(v, 4) for k, v in rep.phases.items()}
+    return {
+        "buckets": rep.buckets,
+        "bytes": rep.nbytes,
+        "sync_s": rep.seconds,
+        "phases": phases,
+        "baseline": baseline,
+        "baseline_s": baseline_s,
+        **extra,
+    }

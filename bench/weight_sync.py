@@ -25,9 +25,15 @@ finish, resume), GB/s, the phases, the baseline and push / baseline. Goal for a 
 
 ``--train-steps N`` then trains N GRPO steps on the same ranks (engines asleep) and prints the
 step time and MFU (6·N·tokens + causal attention against ``--peak-tflops``), so a 4B shape is
-built and loaded once for both figures. A final ``VIME_RESULT {...}`` line has everything.
+built and loaded once for both figures. ``--fast-rounds N`` then pushes the trained weights N
+times with the opt-in fast loader (``vime_rollout.vllm_ext.fast_loader``, a vLLM worker extension
+that copies the bytes straight into the parameters; the engine is started with it): the engine
+must disagree with the trainer before (stale weights) and agree after every push. A failure of
+the fast path is reported, not fatal to the stock figures. A final ``VIME_RESULT {...}`` line
+has everything; the exit status is 1 when any check failed.
 
-    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3
+    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3 \\
+        --fast-rounds 2
     python bench/weight_sync.py [--transport shm] [--size micro|small] [--engines 2] [--rounds 5]
 """
 
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,16 +49,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from gpu_common import bench_model, emit, start_engine, train_steps, wait_engine
-from rich.console import Console
-from rich.table import Table
+from gpu_common import (
+    bench_model,
+    console,
+    emit,
+    start_engine,
+    sync_round,
+    sync_summary,
+    sync_table,
+    train_steps,
+    wait_engine,
+)
 
 from vime import procs
 from vime.config import RunConfig, load_config
 from vime.models.tiny import QWEN3_SHAPES, SHAPES, build_tiny_qwen3, shape_named
 from vime.wire.rollout import EngineInfo
 
-console = Console()
+FAST_ARGS = ", --worker-extension-cls, vime_rollout.vllm_ext.fast_loader.FastWeightLoader"
 PROMPTS = [[(7 * i + 13 * j) % 90 + 3 for j in range(8)] for i in range(8)]
 
 
@@ -66,6 +80,9 @@ def parse_args() -> argparse.Namespace:
         "--cpu-rounds", type=int, default=0, help="ipc: pushes from the sleeping trainer's CPU backup"
     )
     p.add_argument("--train-steps", type=int, default=0, help="then train this many steps (MFU)")
+    p.add_argument(
+        "--fast-rounds", type=int, default=0, help="ipc: then pushes with the fast loader (opt-in)"
+    )
     p.add_argument("--train-samples", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--response-len", type=int, default=824)
@@ -101,7 +118,8 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
             "rollout_max_context_len=1024",
             "engine.gpu_memory_utilization=0.2",
             "engine.enforce_eager=true",
-            "engine.extra_args=[--load-format, dummy, --dtype, bfloat16]",
+            f"engine.extra_args=[--load-format, dummy, --dtype, bfloat16{FAST_ARGS if args.fast_rounds else ''}]",
+            "trainer.lr=0.001",  # training visibly changes the weights (the fast rounds' stale check)
             f"engine.base_port={procs.free_port()}",
             f"trainer.packed_buffer_size_bytes={args.bucket_mb << 20}",
             f"trainer.ipc_packed={not args.unpacked}",
@@ -109,56 +127,6 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
         ],
         environ={},
     )
-
-
-def rows_table(title: str, rounds: list[dict[str, Any]]) -> None:
-    table = Table(title=title)
-    for col in [
-        "round",
-        "buckets",
-        "GB",
-        "pause→resume s",
-        "GB/s",
-        "update s",
-        "baseline",
-        "baseline s",
-        "push / baseline",
-    ]:
-        table.add_column(col, justify="right")
-    for i, r in enumerate(rounds):
-        table.add_row(
-            str(i),
-            str(r["buckets"]),
-            f"{r['bytes'] / 1e9:.2f}",
-            f"{r['sync_s']:.3f}",
-            f"{r['bytes'] / r['sync_s'] / 1e9:.1f}",
-            f"{r['phases'].get('update', 0):.3f}",
-            r["baseline"],
-            f"{r['baseline_s']:.4f}",
-            f"{r['sync_s'] / r['baseline_s']:.1f}",
-        )
-    console.print(table)
-
-
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    if not rounds:
-        return {}
-    sync = statistics.median(r["sync_s"] for r in rounds)
-    base = statistics.median(r["baseline_s"] for r in rounds)
-    nbytes = rounds[0]["bytes"]
-    return {
-        "median_sync_s": round(sync, 4),
-        "GBps": round(nbytes / sync / 1e9, 2),
-        "baseline": rounds[0]["baseline"],
-        "median_baseline_s": round(base, 5),
-        "baseline_GBps": round(nbytes / base / 1e9, 1),
-        "push_over_baseline": round(sync / base, 1),
-        "median_phases_s": {
-            k: round(statistics.median(r["phases"].get(k, 0.0) for r in rounds), 4)
-            for k in rounds[0]["phases"]
-        },
-        "rounds": rounds,
-    }
 
 
 # --- shm (CPU) ------------------------------------------------------------------------------------
@@ -213,27 +181,14 @@ def run_shm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for r in range(args.rounds):
             rep = asyncio.run(sync.push(infos, r + 1, flush=True))
             base = tmpfs_round_trip(group, directory)
-            rounds.append(_round(rep, "tmpfs write+read", base))
-        rows_table("shm push vs tmpfs round trip", rounds)
+            rounds.append(sync_round(rep, "tmpfs write+read", base))
+        sync_table("shm push vs tmpfs round trip", rounds)
         train = train_steps(group, args, shape_named(args.size), on_gpu=False) if args.train_steps else None
-        return {"shm": summarize(rounds), "train": train}
+        return {"shm": sync_summary(rounds), "train": train}
     finally:
         group.shutdown()
         for child in children:
             child.stop()
-
-
-def _round(rep: Any, baseline: str, baseline_s: float, **extra: Any) -> dict[str, Any]:
-    phases = {k: round(v, 4) for k, v in rep.phases.items()}
-    return {
-        "buckets": rep.buckets,
-        "bytes": rep.nbytes,
-        "sync_s": rep.seconds,
-        "phases": phases,
-        "baseline": baseline,
-        "baseline_s": baseline_s,
-        **extra,
-    }
 
 
 # --- ipc (GPU) ------------------------------------------------------------------------------------
@@ -291,13 +246,13 @@ def host_to_device_seconds(rank: Any) -> float:
     return time.perf_counter() - t0
 
 
-async def colocated_push(
-    sync: Any, group: Any, url: str, info: EngineInfo, version: int, asleep: bool
-) -> Any:
+async def colocated_push(sync: Any, group: Any, url: str, version: int, trainer_sleeps: bool) -> Any:
     """Seed 33–36, (41), 43, 45–52, 54 on one GPU: engine sleeps, (trainer sleeps,) weights wake, push, KV wakes."""
+    info = EngineInfo(index=0, url=url, backend="vllm", status="ready", registered=True, gpu_ids=[0])
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        (await http.post("/sleep", params={"level": 2, "mode": "keep"})).raise_for_status()
-        if asleep:
+        if not (await http.get("/is_sleeping")).json().get("is_sleeping"):
+            (await http.post("/sleep", params={"level": 2, "mode": "keep"})).raise_for_status()
+        if trainer_sleeps:
             await asyncio.to_thread(group.sleep)
         t0 = time.perf_counter()
         (await http.post("/wake_up", params={"tags": "weights"})).raise_for_status()
@@ -309,43 +264,77 @@ async def colocated_push(
     return rep, {"wake_weights_s": round(wake_weights, 4), "wake_kv_s": round(wake_kv, 4)}
 
 
-def ipc_rounds(args: argparse.Namespace, group: Any, url: str) -> dict[str, Any]:
-    from vime_trainer.weight_sync import WeightSync
-    from vime_trainer.weight_sync.ipc import IpcTransport, call_on_ranks
+class Rounds:
+    """Pushes of one kind, each checked (greedy agreement) and timed against its baseline."""
 
-    if greedy_agrees(group, url):
-        raise SystemExit("the engine agrees with the trainer before any push (not dummy weights?)")
-    sync = WeightSync(IpcTransport(group, packed=not args.unpacked))
-    info = EngineInfo(index=0, url=url, backend="vllm", status="ready", registered=True, gpu_ids=[0])
-    gpu_rounds, cpu_rounds, version = [], [], 0
-    for asleep, count, rounds in ((False, args.rounds, gpu_rounds), (True, args.cpu_rounds, cpu_rounds)):
+    def __init__(self, group: Any, url: str) -> None:
+        self.group, self.url, self.version = group, url, 0
+        self.problems: list[str] = []
+
+    def run(self, kind: str, sync: Any, count: int, trainer_sleeps: bool) -> list[dict[str, Any]]:
+        from vime_trainer.weight_sync.ipc import call_on_ranks
+
+        rounds = []
         for r in range(count):
-            version += 1
-            rep, wakes = asyncio.run(colocated_push(sync, group, url, info, version, asleep))
-            if not greedy_agrees(group, url):  # wakes the trainer again
-                raise SystemExit(f"round {r}: after the IPC push the engine disagrees with the trainer")
-            if asleep:
-                rounds.append(
-                    _round(rep, "H2D copy", call_on_ranks(group, host_to_device_seconds)[0], **wakes)
+            self.version += 1
+            rep, wakes = asyncio.run(colocated_push(sync, self.group, self.url, self.version, trainer_sleeps))
+            agrees = greedy_agrees(self.group, self.url)  # wakes the trainer again
+            if not agrees:
+                self.problems.append(
+                    f"{kind} round {r}: after the push the engine disagrees with the trainer"
                 )
+            if trainer_sleeps:
+                base = call_on_ranks(self.group, host_to_device_seconds)[0]
+                rounds.append(sync_round(rep, "H2D copy", base, greedy_agrees=agrees, **wakes))
             else:
-                d2d = call_on_ranks(group, device_copy_seconds)[0]
+                d2d = call_on_ranks(self.group, device_copy_seconds)[0]
+                clones = round(d2d["clones"], 5)
                 rounds.append(
-                    _round(rep, "D2D flat copy", d2d["flat"], d2d_clones_s=round(d2d["clones"], 5), **wakes)
+                    sync_round(
+                        rep, "D2D flat copy", d2d["flat"], d2d_clones_s=clones, greedy_agrees=agrees, **wakes
+                    )
                 )
-    console.print("[green]the engine generates the trainer's greedy tokens after every push[/]")
-    rows_table("IPC push from the awake trainer's GPU weights vs D2D copy", gpu_rounds)
-    if cpu_rounds:
-        rows_table(
-            "IPC push from the sleeping trainer's CPU backup (the seed's order) vs H2D copy", cpu_rounds
+        return rounds
+
+
+def ipc_rounds(args: argparse.Namespace, group: Any, url: str) -> tuple[dict[str, Any], Rounds]:
+    from vime_trainer.weight_sync import WeightSync
+    from vime_trainer.weight_sync.ipc import IpcTransport
+
+    rounds = Rounds(group, url)
+    if greedy_agrees(group, url):
+        rounds.problems.append("the engine agrees with the trainer before any push (not dummy weights?)")
+    sync = WeightSync(IpcTransport(group, packed=not args.unpacked))
+    gpu = rounds.run("stock", sync, args.rounds, trainer_sleeps=False)
+    cpu = rounds.run("stock from CPU backup", sync, args.cpu_rounds, trainer_sleeps=True)
+    sync_table("IPC push from the awake trainer's GPU weights vs D2D copy", gpu)
+    if cpu:
+        sync_table("IPC push from the sleeping trainer's CPU backup (the seed's order) vs H2D copy", cpu)
+    return {"from_gpu": sync_summary(gpu), "from_cpu_backup": sync_summary(cpu)}, rounds
+
+
+def fast_rounds(args: argparse.Namespace, rounds: Rounds) -> dict[str, Any]:
+    """The opt-in fast load (worker extension), after training changed the trainer's weights: the
+    engine must disagree first (stale weights), then agree after every fast push."""
+    from vime_trainer.weight_sync.fast_sync import FastIpcSync
+
+    stale = not greedy_agrees(rounds.group, rounds.url)
+    try:
+        fast = rounds.run(
+            "fast", FastIpcSync(rounds.group, args.bucket_mb << 20), args.fast_rounds, trainer_sleeps=False
         )
-    return {"from_gpu": summarize(gpu_rounds), "from_cpu_backup": summarize(cpu_rounds)}
+    except Exception as exc:  # the stock figures must still come out
+        rounds.problems.append(f"fast load failed: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}", "engine_was_stale": stale}
+    sync_table("fast load (worker extension) from the awake trainer's GPU weights vs D2D copy", fast)
+    return {**sync_summary(fast), "engine_was_stale_before": stale}
 
 
 def run_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """vLLM starts on a config-only copy (dummy weights) while the trainer's checkpoint is built on
     CPU (nothing may allocate GPU memory while vLLM profiles it); then the ranks load it."""
     from vime_trainer.megatron.actor_group import ActorGroup
+    from vime_trainer.weight_sync.ipc import call_on_ranks
 
     cfg = trainer_config(work, args, gpu=True)
     engine, url = start_engine(
@@ -367,10 +356,15 @@ def run_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "engine_start_s": round(engine_start, 1),
                 "trainer_start_s": round(time.monotonic() - t0, 1),
             }
-            out |= ipc_rounds(args, group, url)
-            if args.train_steps:  # the engine sleeps while the trainer trains, as in a step
+            stock, rounds = ipc_rounds(args, group, url)
+            out |= stock
+            if args.train_steps or args.fast_rounds:  # the engine sleeps while the trainer trains
                 httpx.post(url + "/sleep", params={"level": 2}, timeout=300).raise_for_status()
                 out["train"] = train_steps(group, args, shape_named(args.size), on_gpu=True)
+                call_on_ranks(group, _empty_cache)  # activations' blocks back before the KV cache wakes
+            if args.fast_rounds:
+                out["fast"] = fast_rounds(args, rounds)
+            out["problems"] = rounds.problems
             return out
         finally:
             group.shutdown()
@@ -378,7 +372,13 @@ def run_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         engine.stop(grace_s=30)
 
 
-def main() -> None:
+def _empty_cache(rank: Any) -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-sync-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -386,7 +386,10 @@ def main() -> None:
     console.print(f"{args.transport}: model {args.size}, work dir {work}")
     result = run_ipc(args, work) if args.transport == "ipc" else run_shm(args, work)
     emit("weight_sync", transport=args.transport, size=args.size, shape=shape.__dict__, **result)
+    for problem in result.get("problems", []):
+        console.print(f"[red]✗ {problem}[/]")
+    return 1 if result.get("problems") else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -143,6 +143,17 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
             return
 
 
+def prune_big_files(root: Path, limit: int = 32 << 20) -> int:
+    """Delete what a step left that is too big to bring back (models, checkpoints): disk for the next."""
+    freed = 0
+    for path in root.rglob("*") if root.exists() else []:
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink() and path.stat().st_size > limit:
+                freed += path.stat().st_size
+                path.unlink()
+    return freed
+
+
 def become_subreaper() -> None:
     with contextlib.suppress(Exception):
         from vime.launch.orphans import become_subreaper as _become
@@ -151,8 +162,9 @@ def become_subreaper() -> None:
 
 
 class Suite:
-    def __init__(self, args: argparse.Namespace, steps: list[Step]) -> None:
-        self.args, self.steps = args, steps
+    def __init__(self, args: argparse.Namespace, steps: list[Step], *, reap: bool = False) -> None:
+        """``reap``: kill every descendant after each step (only where the driver is the main program)."""
+        self.args, self.steps, self.reap = args, steps, reap
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.out = Path(
             args.out
@@ -228,9 +240,10 @@ class Suite:
         record.update(
             status=status, rc=rc, duration_s=round(time.monotonic() - t0, 1), timeout_s=round(timeout)
         )
-        leftovers = reap_leftovers()
+        leftovers = reap_leftovers() if self.reap else {}
         if leftovers:
             record["killed_leftovers"] = sorted(set(leftovers.values()))[:20]
+        record["pruned_bytes"] = prune_big_files(basetemp)
         if not self.args.dry_run:
             record["gpu_used_mib_after"] = wait_gpus_free()
         record["figures"] = suite_results.figures_of(log_path, self.work / "figures" / f"{step.name}.jsonl")
@@ -280,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"suite: {exc}", file=sys.stderr)
         return 2
     become_subreaper()
-    return Suite(args, steps).run()
+    return Suite(args, steps, reap=True).run()
 
 
 if __name__ == "__main__":

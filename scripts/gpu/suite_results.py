@@ -37,6 +37,15 @@ def figures_of(log: Path, figures_file: Path) -> list[dict[str, Any]]:
             for line in log.read_text(errors="replace").splitlines()
             if (m := RESULT_LINE.match(line))
         ]
+    if (
+        not lines and log.exists()
+    ):  # a script that prints its result as a bare JSON line (bench/train_step.py)
+        bare = [
+            x
+            for x in log.read_text(errors="replace").splitlines()
+            if x.startswith("{") and x.rstrip().endswith("}")
+        ]
+        lines = bare[-1:]
     for line in lines:
         line = line.strip()
         if not line or line in seen:
@@ -122,7 +131,8 @@ def _tail(path: Path, limit: int) -> bytes:
 
 def collect(work: Path) -> list[tuple[str, Path]]:
     """(archive name, file) of everything worth bringing back: logs first, then artifacts."""
-    first, rest = [], []
+    first: list[tuple[str, Path]] = []
+    rest: list[tuple[str, Path]] = []
     for path in sorted(work.rglob("*")):
         if not path.is_file() or path.name in SKIPPED_NAMES or not path.name.endswith(KEPT_SUFFIXES):
             continue

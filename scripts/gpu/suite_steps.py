@@ -68,7 +68,7 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync",
-            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM over IPC vs D2D copy; 4B train-step MFU",
+            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM over IPC vs D2D copy (stock, then the fast loader); 4B train-step MFU",
             _args(
                 "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3"
             ),

@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runnable = on_gpu() or dry_run()
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (or VIME_GPU_DRY_RUN=1 for the CPU dry run)")
     for item in items:
-        if here in Path(str(item.fspath)).parents:
+        module = getattr(item, "module", None)
+        if here in Path(str(item.fspath)).parents and not getattr(module, "RUNS_WITHOUT_GPU", False):
             item.add_marker(pytest.mark.gpu)
             if not runnable:
                 item.add_marker(skip)

@@ -145,6 +145,25 @@ class GpuMemory:
         rows = [line.split(",") for line in out.strip().splitlines()]
         return sum(int(used) << 20 for idx, used in rows if int(idx) in self.indices)
 
+    def by_process(self) -> dict[str, int]:
+        """MiB per process on these GPUs (``"pid command"``), to tell the trainer's share from the
+        engines'; empty where NVML cannot see the processes (another PID namespace)."""
+        out: dict[str, int] = {}
+        if self._nvml is None:
+            return out
+        with contextlib.suppress(Exception):
+            for h in self._handles:
+                for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    name = f"{p.pid} {_command(p.pid)}"
+                    out[name] = out.get(name, 0) + (int(p.usedGpuMemory or 0) >> 20)
+        return out
+
+
+def _command(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:80]
+    return "?"
+
 
 class EngineMemory:
     """The CPU stand-in's account: weights + KV cache bytes from each reference engine's /debug/memory."""

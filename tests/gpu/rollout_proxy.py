@@ -37,6 +37,8 @@ class Call:
     t1: float
     before: int | None
     after: int | None
+    detail: dict[str, int] | None = None
+    """Memory per process after the call, where the probe can tell (NVML)."""
 
     @property
     def route(self) -> str:
@@ -50,9 +52,15 @@ class Call:
 class RecordingProxy:
     """``with RecordingProxy(target, probe) as proxy: ... proxy.url ... proxy.calls``."""
 
-    def __init__(self, target: str, probe: Callable[[], int] | None) -> None:
+    def __init__(
+        self,
+        target: str,
+        probe: Callable[[], int] | None,
+        detail: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.target = target.rstrip("/")
         self.probe = probe
+        self.detail = detail
         self.calls: list[Call] = []
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -97,11 +105,15 @@ class RecordingProxy:
             content = json.dumps({"error": {"message": f"proxy: {type(exc).__name__}: {exc}"}}).encode()
         t1 = time.monotonic()
         after = self._read_memory() if sampled else None
+        detail = None
+        if sampled and self.detail is not None:
+            with contextlib.suppress(Exception):
+                detail = self.detail()
         parsed: Any = None
         with contextlib.suppress(ValueError):
             parsed = json.loads(body) if body else None
         with self._lock:
-            self.calls.append(Call(method, path, parsed, status, t0, t1, before, after))
+            self.calls.append(Call(method, path, parsed, status, t0, t1, before, after, detail))
         return status, ctype, content
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

@@ -101,8 +101,10 @@ def test_colocated_loop_three_rollouts(gpu: bool, tmp_path: Path) -> None:
     try:
         engines = httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"]
         urls = [e["url"] for e in engines]
-        probe = GpuMemory(list(range(gpus))).used if gpu else EngineMemory(urls).used
-        with MemorySampler(probe) as sampler, RecordingProxy(stack.url("rollout"), probe) as proxy:
+        gpu_memory = GpuMemory(list(range(gpus))) if gpu else None
+        probe = gpu_memory.used if gpu_memory else EngineMemory(urls).used
+        detail = gpu_memory.by_process if gpu_memory else None
+        with MemorySampler(probe) as sampler, RecordingProxy(stack.url("rollout"), probe, detail) as proxy:
             status, events = asyncio.run(run_to_end(stack.url("trainer"), proxy.url, 900))
         after = engine_greedy(urls[0], 8)
         engines = httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"]
@@ -216,7 +218,10 @@ def check_memory(step: StepMemory, sampler: MemorySampler, gpu: bool, weight_byt
             f"{name}: engine weights did not come back before the push ({w_on.before} → {w_on.after})"
         )
     if gpu and loaded.after - w_on.after > 256 * MIB + weight_bytes // 4:
-        problems.append(f"{name}: the push left {(loaded.after - w_on.after) >> 20} MiB in use")
+        problems.append(
+            f"{name}: the push left {(loaded.after - w_on.after) >> 20} MiB in use "
+            f"(MiB per process before: {w_on.detail}, after: {loaded.detail})"
+        )
     if step.rollout_id is None:
         return problems
     off, done = step.first("POST /v1/engines/offload"), step.first("POST /v1/training-completed")

@@ -72,7 +72,7 @@ def megatron_log_probs(model_dir: Path, tp: int, gpu: bool, tmp: Path) -> np.nda
         logits = next(x for x in group.call("logits", TOKENS) if x is not None)
     finally:
         group.shutdown()
-    return torch.as_tensor(logits).double().log_softmax(-1).numpy()
+    return torch.from_numpy(np.array(logits, dtype=np.float64)).log_softmax(-1).numpy()
 
 
 def errors(got: np.ndarray, truth: np.ndarray) -> dict[str, float]:

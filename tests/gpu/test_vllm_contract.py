@@ -16,6 +16,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 from gpu_support import StartedEngine, record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,7 @@ def junit_outcomes(path: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+@pytest.mark.timeout(INNER_TIMEOUT_S + 600)  # engine start-up + the whole inner suite
 def test_contract_suite_passes_against_the_engine(
     contract_engine: StartedEngine, gpu: bool, tmp_path: Path
 ) -> None:

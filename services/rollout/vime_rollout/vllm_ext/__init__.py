@@ -1,0 +1,1 @@
+"""Code that runs inside vLLM's worker processes (``vllm serve --worker-extension-cls ...``)."""
