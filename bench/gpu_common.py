@@ -119,7 +119,7 @@ def train_steps(group: Any, args: argparse.Namespace, shape: TinyShape, on_gpu: 
         t0 = time.perf_counter()
         metrics = group.train(step, rbs)[0]
         times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times[1:])
+    step_s = statistics.median(times[1:] or times)  # one step only: it includes the warm-up
     mfu = train_flops(shape, tokens, seq) / step_s / (args.peak_tflops * 1e12) if on_gpu else None
     shown = "n/a (CPU)" if mfu is None else f"{mfu:.1%}"
     console.print(f"train: {tokens} tokens/step in {step_s:.3f}s = {tokens / step_s:,.0f} tok/s, MFU {shown}")

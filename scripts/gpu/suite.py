@@ -7,7 +7,7 @@
     bash scripts/gpu/suite.sh --list
 
 Each step (`suite_steps.STEPS`) runs as its own process group with a hard time limit, cut to what
-is left of the call's budget (``--budget-s``, default 560 s: the device tool stops a command
+is left of the call's budget (``--budget-s``, default 575 s: the device tool stops a command
 at 600 s); a step that cannot get ``MIN_STEP_S`` is skipped and says why. A failing step does
 not stop the others. After each step the driver kills whatever the step left behind (it is a
 child subreaper, so re-parented grandchildren — vLLM engines, Ray workers, redis — are its to
@@ -54,14 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("steps", nargs="*", help="steps or groups (tests, benches, all); default: tests")
     p.add_argument("--dry-run", action="store_true", help=f"CPU stand-ins (also ${DRY_RUN_ENV}=1)")
-    p.add_argument("--budget-s", type=float, default=None, help="whole-call budget (GPU 560, dry run 7200)")
+    p.add_argument("--budget-s", type=float, default=None, help="whole-call budget (GPU 575, dry run 7200)")
     p.add_argument("--out", type=Path, default=None, help="default $OUT, else a new temp dir")
     p.add_argument("--work", type=Path, default=None, help="scratch (default: $TMPDIR/vime-suite-<time>)")
     p.add_argument("--list", action="store_true", help="print the steps and exit")
     args = p.parse_args(argv)
     args.dry_run = args.dry_run or os.environ.get(DRY_RUN_ENV, "").lower() in ("1", "true", "yes")
     if args.budget_s is None:
-        args.budget_s = 7200.0 if args.dry_run else 560.0
+        args.budget_s = 7200.0 if args.dry_run else 575.0
     return args
 
 

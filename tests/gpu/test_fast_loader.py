@@ -128,6 +128,28 @@ def test_plans_that_cannot_be_written_are_refused(hf_weights: dict[str, torch.Te
         copy_into(model, buffer, [["no.such.weight", 0, 8]])
 
 
+def test_the_worker_extension_reports_its_layout_and_loads_a_payload(
+    hf_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``FastWeightLoader`` as vLLM mixes it into a worker: ``self.model_runner.get_model()``, ``self.device``."""
+    from types import SimpleNamespace
+
+    from vime_rollout.vllm_ext import fast_loader
+
+    model, expected = vllm_like(hf_weights)
+    worker = fast_loader.FastWeightLoader()
+    worker.model_runner = SimpleNamespace(get_model=lambda: model)  # type: ignore[attr-defined]
+    worker.device = torch.device("cpu")  # type: ignore[attr-defined]
+    plan = FastPlan.from_layout(worker.vime_fast_layout())
+    (bucket,) = group_into_params(iter(hf_weights.items()), plan, 1 << 30)
+    buffer, entries = bucket.pack()
+    monkeypatch.setattr(fast_loader, "open_ipc_buffer", lambda handles, device: handles["cpu-uuid"])
+    payload = base64.b64encode(pickle.dumps({"handles": {"cpu-uuid": buffer}, "params": entries})).decode()
+    assert worker.vime_fast_load(payload) == {"params": len(expected), "bytes": buffer.numel()}
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in expected.items())
+
+
 # --- the driver against a fake engine over HTTP ----------------------------------------------
 
 

@@ -93,14 +93,21 @@ def open_ipc_buffer(handles: Mapping[str, Any], device: torch.device) -> torch.T
 class FastWeightLoader:
     """Mixed into vLLM's worker class by ``--worker-extension-cls`` (``self`` is the worker)."""
 
+    def _vime_model(self) -> torch.nn.Module:
+        """The bare model (not a CUDA-graph or compile wrapper), as vLLM's own weight transfer gets it."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model: torch.nn.Module = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return model
+
     def vime_fast_layout(self) -> list[dict[str, Any]]:
-        return model_layout(self.model_runner.model)  # type: ignore[attr-defined]
+        return model_layout(self._vime_model())
 
     def vime_fast_load(self, payload: str) -> dict[str, int]:
         data = pickle.loads(base64.b64decode(payload))
         device = getattr(self, "device", None) or torch.device("cuda", torch.cuda.current_device())
         buffer = open_ipc_buffer(data["handles"], device)
-        nbytes = copy_into(self.model_runner.model, buffer, data["params"])  # type: ignore[attr-defined]
-        torch.cuda.current_stream().synchronize()  # written before the trainer frees the buffer
+        nbytes = copy_into(self._vime_model(), buffer, data["params"])
+        if buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()  # written before the trainer frees the buffer
         del buffer
         return {"params": len(data["params"]), "bytes": nbytes}
