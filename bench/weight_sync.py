@@ -101,7 +101,12 @@ def parse_args() -> argparse.Namespace:
 
 def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig:
     ranks = (
-        ["actor_num_gpus_per_node=1", "rollout_num_gpus=1", "rollout_num_gpus_per_engine=1"]
+        [
+            "actor_num_gpus_per_node=1",
+            "rollout_num_gpus=1",
+            "rollout_num_gpus_per_engine=1",
+            "engine.backend=vllm",
+        ]
         if gpu
         else ["actor_num_gpus_per_node=0", "rollout_num_gpus=0", f"actor_num_cpu_ranks={args.tp}"]
     )
