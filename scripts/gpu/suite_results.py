@@ -65,7 +65,11 @@ def junit_counts(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     counts: dict[str, Any] = {"passed": 0, "failed": 0, "skipped": 0, "failures": {}, "skips": {}}
-    for case in ET.parse(path).getroot().iter("testcase"):
+    try:
+        cases = list(ET.parse(path).getroot().iter("testcase"))
+    except ET.ParseError as exc:  # a run cut short mid-write
+        return {**counts, "unreadable": str(exc)}
+    for case in cases:
         name = f"{case.get('classname')}::{case.get('name')}"
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         skip = case.find("skipped")
