@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU suite driver: the GPU tests and benchmarks as steps, in one device call, within a budget.
 
-    bash scripts/gpu/device.sh run bash scripts/gpu/suite.sh tests      # contract megatron loop
+    bash scripts/gpu/device.sh run bash scripts/gpu/suite.sh tests      # loop contract megatron
     bash scripts/gpu/device.sh run bash scripts/gpu/suite.sh benches    # bench_sync bench_step
     bash scripts/gpu/suite.sh --dry-run tests                           # here: CPU stand-ins
     bash scripts/gpu/suite.sh --list

@@ -26,7 +26,8 @@ import suite_steps  # noqa: E402
 def test_groups_expand_in_order_without_duplicates() -> None:
     names = [s.name for s in suite_steps.select(["loop", "tests", "bench_sync"])]
     assert names == ["loop", "contract", "megatron", "bench_sync"]
-    assert [s.name for s in suite_steps.select([])] == ["contract", "megatron", "loop"]
+    assert [s.name for s in suite_steps.select([])] == ["loop", "contract", "megatron"]
+    assert [s.name for s in suite_steps.select(["contract", "tests"])] == ["contract", "loop", "megatron"]
     with pytest.raises(suite_steps.SelectionError, match="unknown step 'nope'"):
         suite_steps.select(["tests", "nope"])
 
