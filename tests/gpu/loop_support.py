@@ -188,6 +188,7 @@ def step_figures(step: StepMemory, peak_in_train: int | None) -> dict[str, Any]:
         "weights_before": at("POST /v1/engines/onload(weights)", "before"),
         "weights_after": at("POST /v1/engines/onload(weights)", "after"),
         "pushed": at("POST /v1/engines/weights-loaded", "after"),
+        "per_process_mib_after_push": getattr(step.first("POST /v1/engines/weights-loaded"), "detail", None),
         "kv_before": at("POST /v1/engines/onload(kv_cache", "before"),
         "kv_after": at("POST /v1/engines/onload(kv_cache", "after"),
     }
