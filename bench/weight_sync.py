@@ -19,9 +19,8 @@ dummy weights). Two kinds of round:
 - ``--cpu-rounds``: the seed's order, the trainer asleep first (step 41), so the push reads the
   CPU backup; baseline: the host→device copy of that backup.
 
-Printed per round: pause→resume seconds (``WeightSync.push``: pause, flush, start, every bucket,
-finish, resume), GB/s, the phases, the baseline and push / baseline. Goal for a Qwen3-4B shape
-(8.8 GB): ≤ 0.1 s pause→resume (vLLM 0.26's own IPC helper: 0.25–0.32 s on the same GPU).
+Per round: pause→resume seconds (pause, flush, start, buckets, finish, resume), GB/s, phases,
+baseline, push / baseline. Goal for a Qwen3-4B shape (8.8 GB): ≤ 0.1 s (vLLM's helper: 0.25–0.32 s).
 
 ``--train-steps N`` then trains N GRPO steps on the same ranks (engines asleep) and prints the
 step time and MFU (6·N·tokens + causal attention against ``--peak-tflops``), so a 4B shape is
