@@ -51,8 +51,8 @@ STEPS: dict[str, Step] = {
         Step(
             "megatron",
             "Megatron logits vs HF within bf16 noise (TP=1; TP=2 on 2 GPUs) + the backend's own GPU test",
-            _pytest("tests/gpu/test_megatron_logits.py", "tests/integration/test_megatron_gpu.py"),
-            _pytest("tests/gpu/test_megatron_logits.py", "tests/integration/test_megatron_gpu.py"),
+            _pytest("tests/gpu/test_megatron_logits.py", "tests/gpu/test_megatron_gpu.py"),
+            _pytest("tests/gpu/test_megatron_logits.py", "tests/gpu/test_megatron_gpu.py"),
             timeout_s=240,
             expect_s=100,
             pytest=True,

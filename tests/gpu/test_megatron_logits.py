@@ -6,7 +6,7 @@ checkpoint in bf16 instead of fp32 on the same device, measured in the same test
 noise floor, against HF in fp32 as the ground truth. In the dry run Megatron runs fp32 on CPU
 ranks (gloo), which must then be far inside the floor.
 
-The bf16 training step, sleep/wake and TP=2-vs-TP=1 checks are `tests/integration/test_megatron_gpu.py`
+The bf16 training step, sleep/wake and TP=2-vs-TP=1 checks are `tests/gpu/test_megatron_gpu.py`
 (the Megatron backend's own GPU test); the suite's ``megatron`` step runs both files.
 """
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import ray
 import torch
-from megatron_support import hf_logits, one, rollout_batch, run_config, split
 from vime_trainer.megatron.actor_group import ActorGroup
 from vime_trainer.megatron.checkpoint import STATE_FILE, latest_checkpoint
 from vime_trainer.weights.hf_checkpoint import HFReader
 from vime_trainer.weights.shm import read_bucket
 
+from tests.support.megatron import hf_logits, one, rollout_batch, run_config, split
 from vime.models.tiny import ensure_tiny_qwen3
 
 TOKENS = np.random.default_rng(3).integers(0, 128, size=(2, 17))

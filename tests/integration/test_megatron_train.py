@@ -12,7 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from megatron_support import (
+from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
+from vime_trainer.megatron.sft import sft_rank_batches
+from vime_trainer.weights.hf_checkpoint import HFReader
+
+from tests.support.megatron import (
     SEED_ADVANTAGE,
     hf_logits,
     hf_reference,
@@ -22,10 +26,6 @@ from megatron_support import (
     split,
     with_rollout_log_probs,
 )
-from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
-from vime_trainer.megatron.sft import sft_rank_batches
-from vime_trainer.weights.hf_checkpoint import HFReader
-
 from vime.models.tiny import ensure_tiny_qwen3, vocabulary
 
 TOKENS = np.random.default_rng(7).integers(0, 128, size=(2, 21))

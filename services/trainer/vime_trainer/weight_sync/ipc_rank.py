@@ -143,3 +143,7 @@ def ipc_close(rank: Any) -> None:
         setattr(rank, _ATTR, None)
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
+        if getattr(rank, "asleep", False):
+            # A sleeping rank must not keep the push buffers in the allocator's cache: the
+            # engines take that memory back for their KV cache next (seed step 54).
+            torch.cuda.empty_cache()

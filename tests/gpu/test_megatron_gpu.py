@@ -1,7 +1,7 @@
 """The Megatron backend on GPU (skipped without CUDA): bf16 training, sleep frees memory, export, resume.
 
 Run on the lent H200 (see docs/gpu.md for the bundle):
-    bash scripts/gpu/device.sh run python3 -m pytest -x -q -m gpu tests/integration/test_megatron_gpu.py
+    bash scripts/gpu/device.sh run python3 -m pytest -x -q -m gpu tests/gpu/test_megatron_gpu.py
 With two GPUs (kind nvidia-h200-x2) the TP=2 test runs as well.
 """
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import ray
 import torch
-from megatron_support import SEED_ADVANTAGE, one, rollout_batch, run_config, split
 from vime_trainer.megatron.actor_group import ActorGroup
 from vime_trainer.weights.hf_checkpoint import HFReader
 
+from tests.support.megatron import SEED_ADVANTAGE, one, rollout_batch, run_config, split
 from vime.config import RunConfig
 from vime.models.tiny import build_tiny_qwen3
 
