@@ -12,10 +12,10 @@ from pathlib import Path
 from rich.console import Console
 
 from vime.launch.logs import LineFilter, LogFollower, _Followed
-from vime.launch.progress import step_line
+from vime.launch.progress import TrainProgress, step_line
 from vime.launch.signals import latched_signals
 from vime.launch.summary import print_summary, read_steps, summarize
-from vime.wire.trainer import StepRecord, StepTimings
+from vime.wire.trainer import RunEvent, RunPhase, RunState, RunStatus, StepRecord, StepTimings
 
 
 def _console() -> tuple[Console, io.StringIO]:
@@ -145,3 +145,32 @@ def test_first_signal_asks_second_hurries_and_handlers_are_restored() -> None:
         assert latch.hurry
         assert latch.exit_code() == 128 + signal.SIGTERM  # the first signal names the exit
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_warmup_events_drive_their_own_bar_and_each_step_prints_once() -> None:
+    console, buf = _console()
+    view = TrainProgress(console, 3)
+    status = RunStatus(run_id="r", state=RunState.RUNNING, phase=RunPhase.WARMUP, num_rollout=3)
+    events = [
+        RunEvent(seq=0, t=0.1, rollout_id=None, action="sft.start", detail={"steps": 2}),
+        RunEvent(
+            seq=1, t=0.5, rollout_id=None, action="sft.step", detail={"step": 0, "steps": 2, "loss": 1.5}
+        ),
+        RunEvent(
+            seq=2, t=0.9, rollout_id=None, action="sft.step", detail={"step": 1, "steps": 2, "loss": 0.9}
+        ),
+        RunEvent(seq=3, t=1.0, rollout_id=None, action="engines.onload", detail={}),
+    ]
+    view.update(status, events)
+    view.update(status, events[-2:])  # `since` repeats what was seen: ignored
+    assert view.warmup_task is not None
+    bar = view.progress.tasks[view.warmup_task]
+    assert (bar.completed, bar.total) == (2, 2) and "loss 0.900" in bar.description
+    out = buf.getvalue()
+    assert "sft.start" in out and "sft.step" not in out  # one bar, not a line per step
+    assert "engines.onload" not in out  # other events only with --verbose
+    done = status.model_copy(update={"phase": RunPhase.ROLLOUT, "steps_done": 1, "last_step": _step(0, 0.5)})
+    view.update(done, [])
+    view.update(done, [])
+    assert buf.getvalue().count("step   0") == 1
+    assert view.progress.tasks[view.task].completed == 1

@@ -16,6 +16,7 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
 )
@@ -33,8 +34,8 @@ PHASE_LABELS = {
 REWARD_KEYS = ("rollout/reward_mean", "reward_mean", "train/reward_mean")
 REWARD_STD_KEYS = ("rollout/reward_std", "reward_std")
 LENGTH_KEYS = ("rollout/response_len_mean", "response_len_mean", "rollout/response_length_mean")
-WARMUP_PREFIXES = ("sft", "warmup")
-"""Run events shown even when not verbose: the supervised warm-up before RL."""
+WARMUP_PREFIX = "sft."
+"""Run events of the supervised warm-up before RL (``sft.start``, ``sft.step``, ``sft.done``)."""
 
 
 def metric(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
@@ -89,6 +90,7 @@ class TrainProgress:
             transient=False,
         )
         self.task = self.progress.add_task("starting", total=num_rollout)
+        self.warmup_task: TaskID | None = None
         self.printed_steps: set[int] = set()
         self.last_seq = -1
 
@@ -102,14 +104,28 @@ class TrainProgress:
     def note(self, text: str) -> None:
         self.progress.console.print(text, highlight=False, soft_wrap=True)
 
+    def warmup_step(self, detail: Mapping[str, Any]) -> None:
+        """Advance the warm-up bar (a second bar, shown once the first warm-up step is reported)."""
+        steps, step, loss = detail.get("steps"), detail.get("step"), detail.get("loss")
+        if not isinstance(steps, int) or not isinstance(step, int):
+            return
+        if self.warmup_task is None:
+            self.warmup_task = self.progress.add_task("warm-up", total=steps)
+        text = (
+            f"supervised warm-up · loss {loss:.3f}" if isinstance(loss, int | float) else "supervised warm-up"
+        )
+        self.progress.update(self.warmup_task, completed=step + 1, total=steps, description=text)
+
     def update(self, status: RunStatus, events: list[RunEvent]) -> None:
         for event in events:
             if event.seq <= self.last_seq:
                 continue  # `since` may repeat the last one
             self.last_seq = event.seq
-            if self.verbose or event.action.startswith(WARMUP_PREFIXES):
+            if event.action == "sft.step":
+                self.warmup_step(event.detail)
+            elif self.verbose or event.action.startswith(WARMUP_PREFIX):
                 detail = " ".join(f"{k}={v}" for k, v in event.detail.items())
-                self.note(f"[dim]{event.t:7.1f}s {event.action} {detail}[/]")
+                self.note(f"[dim]{event.t:7.1f}s[/] {event.action} [dim]{detail}[/]")
         step = status.last_step
         if step is not None and step.rollout_id not in self.printed_steps:
             self.printed_steps.add(step.rollout_id)

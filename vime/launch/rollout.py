@@ -9,7 +9,6 @@ in Redis and decoded with the model's tokenizer. So this needs the stack's resol
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import redis.asyncio as aioredis
 from vime.batch import SampleRow, decode_rank_batch
 from vime.clients.rollout import RolloutClient
 from vime.config import RunConfig
+from vime.models.path import policy_model_path
 from vime.queue import blob_prefix
 from vime.wire.rollout import RolloutJob
 
@@ -26,24 +26,17 @@ class RolloutCommandError(RuntimeError):
     """The stack cannot give samples back (no Redis URL, no batch)."""
 
 
-def model_dir(cfg: RunConfig) -> Path:
-    """The checkpoint the engines serve (the tiny kit's cache follows the rollout manager's rule)."""
-    if cfg.model.hf_checkpoint:
-        return Path(cfg.model.hf_checkpoint)
-    from vime.models.tiny import ensure_tiny_qwen3
-
-    cache = Path(os.environ.get("VIME_MODEL_CACHE") or Path(cfg.output_dir) / "models")
-    return ensure_tiny_qwen3(cache, cfg.model.tiny_model_size)
-
-
 async def read_samples(cfg: RunConfig, job: RolloutJob) -> list[dict[str, Any]]:
     """Every sample of the job's batch, in batch order, with prompt and response token ids."""
-    if cfg.services.redis_url is None or job.batch_id is None:
+    if cfg.services.redis_url is None:
         raise RolloutCommandError("no Redis URL in the config: pass the stack's runs/<run_id>/config.yaml")
-    run_id = job.batch_id.rsplit(":", 2)[0]  # batch ids are "<run_id>:<rollout_id>:<attempt>"
+    if job.batch_id is None or job.run_id is None:
+        raise RolloutCommandError(
+            f"rollout {job.rollout_id} published no batch: {job.error or 'unknown reason'}"
+        )
     r = aioredis.Redis.from_url(cfg.services.redis_url)
     try:
-        prefix = blob_prefix(run_id, job.batch_id)
+        prefix = blob_prefix(job.run_id, job.batch_id)  # the manager's stream, named in its reply
         rows: list[SampleRow] = []
         for rank in range(job.dp_size or 1):
             blob = await r.get(prefix + str(rank))
@@ -73,7 +66,7 @@ def decode_texts(cfg: RunConfig, samples: list[dict[str, Any]]) -> None:
     """Add ``prompt`` and ``response`` text to each sample, using the model's tokenizer."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir(cfg)))
+    tok = AutoTokenizer.from_pretrained(str(policy_model_path(cfg)))
     for s in samples:
         s["prompt"] = tok.decode(s["prompt_ids"])
         s["response"] = tok.decode(s["response_ids"])
