@@ -242,3 +242,30 @@ def test_train_runs_to_the_end_and_leaves_its_records(tmp_path: Path, model_cach
         if child.alive():
             child.kill()
         kill_leftovers(mark)
+
+
+def test_ctrl_c_during_train_stops_the_run_after_its_step(tmp_path: Path, model_cache: Path) -> None:
+    cfg = stack_config(tmp_path, num_rollout=500)
+    mark = uuid.uuid4().hex
+    child = start_vime(
+        tmp_path / "train.log",
+        "train",
+        "-c",
+        str(write_config(tmp_path, cfg)),
+        mark=mark,
+        model_cache=model_cache,
+    )
+    try:
+        wait_for_output(child, "step   1 ", STARTUP_S)
+        tree = descendants(child.pid)
+        os.kill(child.pid, signal.SIGINT)
+        assert wait_exit(child, 150) == 0  # a stop the user asked for, completed
+        log = child.log_path.read_text()  # type: ignore[union-attr]
+        assert "stopping after the current step" in log and f"run {cfg['run_id']}: stopped" in log
+        rows = (Path(cfg["output_dir"]) / cfg["run_id"] / "metrics.jsonl").read_text().splitlines()
+        assert 2 <= len(rows) < 500
+        assert survivors(tree) == {} and leftovers(mark) == {}
+    finally:
+        if child.alive():
+            child.kill()
+        kill_leftovers(mark)

@@ -174,3 +174,21 @@ def test_warmup_events_drive_their_own_bar_and_each_step_prints_once() -> None:
     view.update(done, [])
     assert buf.getvalue().count("step   0") == 1
     assert view.progress.tasks[view.task].completed == 1
+
+
+def test_steps_finished_between_two_polls_are_printed_from_the_record(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _write_metrics(path, [_step(i, 0.1 * i) for i in range(5)])
+    console, buf = _console()
+    view = TrainProgress(console, 8, metrics_path=path)
+    status = RunStatus(run_id="r", state=RunState.RUNNING, phase=RunPhase.ROLLOUT, num_rollout=8)
+    view.update(
+        status.model_copy(update={"steps_done": 1, "last_step": _step(0, 0.0), "start_rollout_id": 0}), []
+    )
+    # Steps 1-3 finished before the next poll, which only sees step 4.
+    view.update(
+        status.model_copy(update={"steps_done": 5, "last_step": _step(4, 0.4), "start_rollout_id": 0}), []
+    )
+    lines = [line for line in buf.getvalue().splitlines() if line.startswith("step")]
+    assert [line.split()[1] for line in lines] == ["0", "1", "2", "3", "4"]
+    assert "reward 0.300" in lines[3]

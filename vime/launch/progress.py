@@ -7,7 +7,9 @@ trainer does not report, so it can be re-attached to a running run.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -21,7 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from vime.wire.trainer import STEP_PHASES, RunEvent, RunStatus, StepRecord
+from vime.wire.trainer import STEP_PHASES, RunEvent, RunStatus, StepRecord, StepTimings
 
 PHASE_LABELS = {
     "rollout": "rollout",
@@ -74,12 +76,39 @@ def step_line(step: StepRecord) -> str:
     return "  ".join(parts)
 
 
+def steps_from_record(path: Path, first: int, before: int) -> list[StepRecord]:
+    """Steps ``first <= rollout_id < before`` from the run's metrics.jsonl (flat lines, the newest
+    line of a rollout id wins): the ones that finished between two polls of the run's status."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line while the trainer writes
+        if isinstance(row, dict) and isinstance(row.get("rollout_id"), int):
+            rows[row["rollout_id"]] = row
+    return [
+        StepRecord(
+            rollout_id=rid,
+            weight_version=int(row.get("weight_version", 0)),
+            timings=StepTimings.from_phases({p: float(row.get(f"perf/T_{p}", 0.0)) for p in STEP_PHASES}),
+            metrics={k: float(v) for k, v in row.items() if isinstance(v, int | float)},
+        )
+        for rid, row in sorted(rows.items())
+        if first <= rid < before
+    ]
+
+
 class TrainProgress:
     """A rich progress bar over the run's rollouts, plus step and event lines above it."""
 
-    def __init__(self, console: Console, num_rollout: int, *, verbose: bool = False) -> None:
+    def __init__(
+        self, console: Console, num_rollout: int, *, verbose: bool = False, metrics_path: Path | None = None
+    ) -> None:
         self.console = console
         self.verbose = verbose
+        self.metrics_path = metrics_path
+        """The run's metrics.jsonl, read for steps that finished between two polls."""
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
@@ -128,8 +157,16 @@ class TrainProgress:
                 self.note(f"[dim]{event.t:7.1f}s[/] {event.action} [dim]{detail}[/]")
         step = status.last_step
         if step is not None and step.rollout_id not in self.printed_steps:
-            self.printed_steps.add(step.rollout_id)
-            self.note(step_line(step))
+            first = status.start_rollout_id or 0
+            missed = (
+                []
+                if self.metrics_path is None
+                else steps_from_record(self.metrics_path, first, step.rollout_id)
+            )
+            for st in [*missed, step]:
+                if st.rollout_id not in self.printed_steps:
+                    self.printed_steps.add(st.rollout_id)
+                    self.note(step_line(st))
         reward = metric(step.metrics, REWARD_KEYS) if step else None
         trend = f" · reward {reward:.3f}" if reward is not None else ""
         at = f"rollout {status.rollout_id}" if status.rollout_id is not None else "run"

@@ -35,7 +35,8 @@ async def follow_run(
         except (ServiceCallError, ServiceUnreachable) as exc:
             raise StackError(f"the trainer did not start the run: {exc}") from None
         stop_sent = False
-        with TrainProgress(console, status.num_rollout, verbose=verbose) as view:
+        metrics_path = plan.run_dir / "metrics.jsonl"
+        with TrainProgress(console, status.num_rollout, verbose=verbose, metrics_path=metrics_path) as view:
             while status.state in ACTIVE_STATES:
                 if latch.hurry:
                     raise StackInterrupted("interrupted twice")
