@@ -104,7 +104,7 @@ def test_busy_ports_names_the_owner() -> None:
 @pytest.mark.parametrize(
     ("gpus", "vllm", "name"),
     [(0, False, "cpu.yaml"), (0, True, "cpu.yaml"), (8, False, "cpu.yaml"), (1, True, "gpu-1.yaml"),
-     (4, True, "gpu-1.yaml"), (8, True, "seed-8gpu.yaml")],
+     (8, True, "gpu-1.yaml")],
 )  # fmt: skip
 def test_default_config_per_host(gpus: int, vllm: bool, name: str) -> None:
     assert default_config_name(gpus, vllm) == name
@@ -125,9 +125,20 @@ def test_seed_example_has_the_seed_numbers() -> None:
     assert cfg.colocate and cfg.offload_rollout and cfg.eps_clip_high == 0.2
 
 
-def test_gpu_examples_fit_their_gpus() -> None:
+def test_gpu_default_is_the_cpu_run_colocated_on_one_gpu() -> None:
     one = load_config(EXAMPLES_DIR / "gpu-1.yaml")
     assert one.rollout_num_gpus == one.train_world_size == 1 and one.num_engines == 1 and one.colocate
+    assert one.offload_rollout and one.engine.backend == "vllm" and one.model.hf_checkpoint is None
+    cpu = load_config(EXAMPLES_DIR / "cpu.yaml")
+    same = (
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "global_batch_size",
+        "num_rollout",
+        "rollout_temperature",
+    )
+    assert [getattr(one, k) for k in same] == [getattr(cpu, k) for k in same]
+    assert one.trainer.lr == cpu.trainer.lr and one.trainer.sft_warmup_steps == cpu.trainer.sft_warmup_steps
 
 
 def test_cpu_default_needs_no_gpu_and_learns_the_synthetic_task() -> None:

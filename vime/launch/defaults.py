@@ -2,7 +2,9 @@
 
 No GPU (or no vLLM): ``examples/cpu.yaml`` — the tiny model on the synthetic arithmetic task,
 CPU reference engines and CPU Megatron, a run of a few minutes that visibly learns. With vLLM
-and GPUs: ``examples/seed-8gpu.yaml`` on a host with 8 or more, else ``examples/gpu-1.yaml``.
+and a GPU: ``examples/gpu-1.yaml`` — the same run with vLLM and Megatron colocated on one GPU.
+Both need nothing downloaded; the seed scenario (``examples/seed-8gpu.yaml``) needs a model and
+a dataset, so it is only run when asked for.
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ def visible_gpu_count() -> int:
 
 def default_config_name(gpus: int, has_vllm: bool) -> str:
     """The example file for a host with ``gpus`` GPUs (vLLM installed or not)."""
-    if gpus == 0 or not has_vllm:
-        return "cpu.yaml"
-    return "seed-8gpu.yaml" if gpus >= 8 else "gpu-1.yaml"
+    return "gpu-1.yaml" if gpus and has_vllm else "cpu.yaml"
 
 
 def default_config_path() -> Path:
