@@ -199,14 +199,20 @@ def run_shm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def greedy_agrees(group: Any, url: str) -> bool:
-    """The engine's greedy next token is the trainer's argmax (or within bf16 noise of it) for every prompt."""
+    """The engine's greedy next token is the trainer's argmax, or within bf16 noise of it, for every prompt.
+
+    bf16 noise scales with the logits: two bf16 implementations of a 4B model differ by ~1% of the
+    largest logit (a fixed 0.05 flagged every correct push of the 4B shape on the H200), while
+    stale or garbled weights pick tokens far below the trainer's maximum.
+    """
     import numpy as np
 
     logits = next(x for x in group.call("logits", np.array(PROMPTS)) if x is not None)[:, -1, :]
     for prompt, row in zip(PROMPTS, logits, strict=True):
         body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
         out = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()
-        if row[out["choices"][0]["token_ids"][0]] < row.max() - 0.05:
+        noise = 0.05 + 0.02 * float(np.abs(row).max())
+        if row[out["choices"][0]["token_ids"][0]] < row.max() - noise:
             return False
     return True
 

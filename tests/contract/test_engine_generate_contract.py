@@ -203,12 +203,16 @@ async def test_top_k_and_top_p_restrict_what_is_sampled(
     ranked = lp.sort(descending=True).values
     nucleus_end = int((ranked.exp().cumsum(0) < 0.1).sum()) + 1  # smallest prefix holding >= 10%
     tol = eut.profile.logprob_atol
-    for extra, floor in (({"top_k": 3}, ranked[2]), ({"top_p": 0.1}, ranked[nucleus_end - 1])):
+    for extra, allowed in (({"top_k": 3}, 3), ({"top_p": 0.1}, nucleus_end)):
         sp = {"max_tokens": 1, "temperature": 1.0, **extra}
         firsts = await asyncio.gather(*(engine.generate(PROMPT, {**sp, "seed": s}) for s in range(48)))
         tokens = [r.token_ids[0] for r in firsts]
-        assert all(lp[t] >= floor - tol for t in tokens), (extra, tokens)
-        assert len(set(tokens)) >= 2, f"{extra}: 48 seeds all drew {tokens[0]}"
+        assert all(lp[t] >= ranked[allowed - 1] - tol for t in tokens), (extra, tokens)
+        # Diversity is only owed where the restricted distribution has it: with a peaked model the
+        # nucleus can be one token, or the top token can hold nearly all of the allowed mass.
+        kept = ranked[:allowed].exp()
+        if float((kept[0] / kept.sum()) ** 48) < 1e-6:
+            assert len(set(tokens)) >= 2, f"{extra}: 48 seeds all drew {tokens[0]}"
 
 
 def _gauges(text: str) -> dict[str, float]:

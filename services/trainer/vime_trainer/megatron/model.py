@@ -112,7 +112,22 @@ def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> P
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
-    return model.to(info.device)
+    return one_param_dtype(model.to(info.device), dtype)
+
+
+def one_param_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Give every parameter ``dtype``.
+
+    Without Apex/TE, Megatron's local spec builds ``torch.nn.RMSNorm``, whose weight takes the
+    default dtype (fp32) whatever ``params_dtype`` says. Megatron's mixed-precision optimizer then
+    keeps those in a separate fp32 group, and its ``sharded_state_dict`` (checkpoints) only maps
+    the bf16 group: "Param id N does not match any model sharded param" (seen on the H200).
+    bf16 norm weights are also what HF's bf16 model and vLLM use.
+    """
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
 
 
 def layer_offset(arch: Architecture, info: RankInfo) -> int:
