@@ -55,11 +55,16 @@ def _health(http: httpx.Client, name: str, url: str) -> ServiceHealth:
     # The router's data plane (vllm-router behind the route filter) answers /health too.
     code, body = _get(http, url + "/health")
     if code == 200:
-        detail = (
-            ", ".join(f"{k}={v}" for k, v in body.items() if k != "status") if isinstance(body, dict) else ""
-        )
-        return ServiceHealth(name, url, True, detail)
+        return ServiceHealth(name, url, True, _brief(body))
     return ServiceHealth(name, url, False, f"HTTP {code}: {body}" if code else f"unreachable ({body})")
+
+
+def _brief(body: Any) -> str:
+    """The scalar fields of a /health answer (nested objects are for --json)."""
+    if not isinstance(body, dict):
+        return ""
+    skip = ("status", "service", "uptime_s")
+    return ", ".join(f"{k}={v}" for k, v in body.items() if k not in skip and not isinstance(v, dict | list))
 
 
 def _redis(url: str | None) -> str | None:
