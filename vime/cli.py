@@ -111,7 +111,13 @@ def rollout(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     rollout_id: Annotated[
-        int, typer.Option("--rollout-id", min=0, help="Rollout number (names the batch).")
+        int,
+        typer.Option(
+            "--rollout-id",
+            min=0,
+            help="Rollout number. The batch is published like a training one: a run started later on "
+            "this stack trains on it as its rollout 0, and fails on a higher id, so keep 0.",
+        ),
     ] = 0,
     output: Annotated[Path | None, typer.Option("--out", "-o", help="Write all samples as JSONL.")] = None,
     show: Annotated[int, typer.Option("--show", min=0, help="Samples printed.")] = 8,
