@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 from test_cli_support import (
-    kill_leftovers,
     leftovers,
     parent_pid,
     resolved_config,
@@ -31,6 +30,7 @@ from test_cli_support import (
     stack_config,
     stack_ports,
     start_vime,
+    stop_vime,
     survivors,
     wait_exit,
     wait_for_output,
@@ -71,9 +71,7 @@ def _up(work: Path, model_cache: Path, **extra: Any) -> Up:
 
 
 def _down(up: Up) -> None:
-    if up.child.alive():
-        up.child.kill()
-    kill_leftovers(up.mark)
+    stop_vime(up.child, up.mark)
 
 
 @pytest.fixture(scope="module")
@@ -239,9 +237,7 @@ def test_train_runs_to_the_end_and_leaves_its_records(tmp_path: Path, model_cach
             assert text in log, text
         assert leftovers(mark) == {}
     finally:
-        if child.alive():
-            child.kill()
-        kill_leftovers(mark)
+        stop_vime(child, mark)
 
 
 def test_ctrl_c_during_train_stops_the_run_after_its_step(tmp_path: Path, model_cache: Path) -> None:
@@ -266,6 +262,4 @@ def test_ctrl_c_during_train_stops_the_run_after_its_step(tmp_path: Path, model_
         assert 2 <= len(rows) < 500
         assert survivors(tree) == {} and leftovers(mark) == {}
     finally:
-        if child.alive():
-            child.kill()
-        kill_leftovers(mark)
+        stop_vime(child, mark)

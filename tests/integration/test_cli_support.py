@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from vime import procs
-from vime.launch.orphans import command_line
+from vime.launch.orphans import command_line, descendants
 
 MARK = "VIME_TEST_CLI_MARK"
 TOKEN = "it-cli-token"
@@ -160,9 +160,19 @@ def _state(pid: int) -> str | None:
     return raw[raw.rindex(")") + 2 :].split()[0]
 
 
-def kill_leftovers(mark: str) -> None:
-    """Test clean-up: whatever the code under test left behind."""
-    for pid in leftovers(mark):
+def stop_vime(child: procs.Child, mark: str) -> None:
+    """Test clean-up: let `vime` tear its stack down (SIGTERM); kill whatever is left after that.
+
+    Killing `vime` first would orphan its children, and some of them (redis-server) keep no
+    marker in their environment, so the tree is snapshotted while it is still whole."""
+    tree = descendants(child.pid) if child.alive() else {}
+    if child.alive():
+        os.kill(child.pid, signal.SIGTERM)
+        try:
+            child.popen.wait(120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    for pid in {**survivors(tree), **leftovers(mark)}:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
