@@ -203,6 +203,9 @@ class TrainerConfig(Section):
     """Where distributed checkpoints are written; resume reads the newest one."""
     sft_warmup_steps: int = Field(0, ge=0)
     """Supervised warm-up steps on the labels before RL (the CPU demo uses a few)."""
+    sft_lr: float | None = Field(None, gt=0)
+    """Learning rate of the supervised warm-up (None: lr). A warm-up needs a much larger step than
+    RL: the CPU default warms up at 1e-3 and runs GRPO at 1e-4 (GRPO at 1e-3 collapses its reward)."""
     kl_loss_type: Literal["k1", "low_var_kl"] = "low_var_kl"
     """KL estimator of the loss term against the reference model (used when kl_coef > 0)."""
     seed: int = 1234

@@ -11,6 +11,8 @@ per-token advantages (`micro_batch`). Step 40: per optimizer step, forward/backw
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from itertools import accumulate
 from typing import Any
 
@@ -116,15 +118,30 @@ class TrainStep:
         mbs = self.micro_batches(batch)
         bounds = [0, *accumulate(batch.num_microbatches)]
         results = []
-        for s, n in enumerate(batch.num_microbatches):
-            settings = self.settings(batch, n)
+        with self._learning_rate(self.config.trainer.sft_lr):
+            for s, n in enumerate(batch.num_microbatches):
+                settings = self.settings(batch, n)
 
-            def loss_fn(k: int, mb: MicroBatch, hidden: torch.Tensor, st: LossSettings = settings) -> Any:
-                return sft_loss(self.passes.model.output_logits, hidden, mb, st)
+                def loss_fn(k: int, mb: MicroBatch, hidden: torch.Tensor, st: LossSettings = settings) -> Any:
+                    return sft_loss(self.passes.model.output_logits, hidden, mb, st)
 
-            results.append(self.passes.step(mbs[bounds[s] : bounds[s + 1]], loss_fn))
+                results.append(self.passes.step(mbs[bounds[s] : bounds[s + 1]], loss_fn))
         self.backup.backup("actor")
         return results
+
+    @contextlib.contextmanager
+    def _learning_rate(self, lr: float | None) -> Iterator[None]:
+        """Train at ``lr`` inside the block (None: unchanged), then restore the RL learning rate."""
+        groups = self.passes.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if lr is not None:
+            for g in groups:
+                g["lr"] = lr
+        try:
+            yield
+        finally:
+            for g, old in zip(groups, saved, strict=True):
+                g["lr"] = old
 
 
 def _require_rollout_log_probs(mbs: list[MicroBatch]) -> None:
