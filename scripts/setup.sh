@@ -22,18 +22,30 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip >/dev/null
+LOG="$VENV/setup.log"
+: > "$LOG"
+# pip's own chatter (build-backend warnings of editable installs) goes to the log; on a failure
+# the log's end is printed.
+quiet() {
+  echo "[setup] $*" >&2
+  if ! "$@" >>"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    echo "[setup] failed: $* (full log: $LOG)" >&2
+    exit 1
+  fi
+}
+quiet $PIP install -q --upgrade pip
 # torch first, pinned to the CPU build that lies on this kind of machine's disk; on a GPU host
 # the image already carries torch and this pin is not used.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  $PIP install -q "torch==${VIME_TORCH_VERSION:-2.13.0}"
+  quiet $PIP install -q "torch==${VIME_TORCH_VERSION:-2.13.0}"
 fi
 extras=()
 for svc in services/*/; do
   [ -f "$svc/pyproject.toml" ] && extras+=(-e "$svc")
 done
-$PIP install -q -e ".[dev,models]" "${extras[@]}"
+quiet $PIP install -q -e ".[dev,models]" "${extras[@]}"
 # Validators for the deployment checks (compose, hadolint, helm, Kubernetes schemas).
-VIME_VENV="$VENV" bash scripts/setup_deploy_tools.sh
+quiet env VIME_VENV="$VENV" bash scripts/setup_deploy_tools.sh
 echo "$want" > "$stamp"
 echo "[setup] ready: $VENV" >&2
