@@ -14,9 +14,7 @@ from typing import Any
 import torch
 
 from vime_trainer.weight_sync.fast_plan import FastPlan, ParamBucket, group_into_params
-from vime_trainer.weight_sync.ipc_rank import physical_gpu
-
-_ATTR = "_vime_fast_exporter"
+from vime_trainer.weight_sync.ipc_rank import close_export, next_export, open_export
 
 
 class FastExporter:
@@ -55,29 +53,18 @@ def fast_open(rank: Any, plan: dict[str, Any], bucket_bytes: int) -> dict[str, A
 
     if not torch.cuda.is_available():
         raise RuntimeError("the fast weight load needs the trainer ranks on GPUs (CUDA IPC)")
-    device = torch.cuda.current_device()
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    fast_close(rank)
-    tensors = iter_hf_tensors(rank.arch, rank._export_source(), rank.info, rank.layer_offset)
-    buckets = group_into_params(tensors, FastPlan.from_dict(plan), bucket_bytes)
-    setattr(rank, _ATTR, FastExporter(buckets, uuid))
-    return {"rank": int(rank.rank), "gpu_uuid": uuid, "physical_gpu": physical_gpu(device)}
+
+    def exporter(gpu_uuid: str) -> FastExporter:
+        tensors = iter_hf_tensors(rank.arch, rank._export_source(), rank.info, rank.layer_offset)
+        return FastExporter(group_into_params(tensors, FastPlan.from_dict(plan), bucket_bytes), gpu_uuid)
+
+    return open_export(rank, "fast", exporter)
 
 
 def fast_next(rank: Any) -> dict[str, Any] | None:
-    exporter: FastExporter | None = getattr(rank, _ATTR, None)
-    if exporter is None:
-        raise RuntimeError("fast_next without fast_open")
-    return exporter.next()
+    return next_export(rank, "fast")
 
 
 def fast_close(rank: Any) -> None:
     """Drop the export, let the driver release the shared blocks, and give the cache back."""
-    exporter: FastExporter | None = getattr(rank, _ATTR, None)
-    if exporter is not None:
-        exporter.close()
-        setattr(rank, _ATTR, None)
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
-        if getattr(rank, "asleep", False):
-            torch.cuda.empty_cache()  # a sleeping trainer keeps no GPU memory (seed step 41)
+    close_export(rank, "fast")

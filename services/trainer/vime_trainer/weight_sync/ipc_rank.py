@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,8 +27,6 @@ from vime_trainer.weights.buckets import Bucket
 
 ReduceFn = Callable[[torch.Tensor], tuple[Any, tuple[Any, ...]]]
 """``torch.multiprocessing.reductions.reduce_tensor``: tensor -> (rebuild fn, rebuild args)."""
-
-_ATTR = "_vime_ipc_exporter"
 
 
 def _default_reduce() -> ReduceFn:
@@ -113,6 +111,52 @@ def physical_gpu(device_index: int) -> int | None:
     return None  # UUID or MIG names: the driver falls back to sending every rank's handles
 
 
+class Exporter(Protocol):
+    """One rank's export in progress (`IpcExporter`, `fast_rank.FastExporter`)."""
+
+    def next(self) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
+def _attr(kind: str) -> str:
+    return f"_vime_{kind}_exporter"
+
+
+def open_export(rank: Any, kind: str, make: Callable[[str], Exporter]) -> dict[str, Any]:
+    """Replace the rank's ``kind`` export by ``make(gpu_uuid)``; returns where it lives (``RankGpu`` fields).
+
+    The previous export is closed before ``make`` runs, so a new bucket stream never overlaps an old one.
+    """
+    device = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    close_export(rank, kind)
+    setattr(rank, _attr(kind), make(uuid))
+    return {"rank": int(rank.rank), "gpu_uuid": uuid, "physical_gpu": physical_gpu(device)}
+
+
+def next_export(rank: Any, kind: str) -> dict[str, Any] | None:
+    """The next bucket of the rank's ``kind`` export (collective: every rank must call it together)."""
+    exporter: Exporter | None = getattr(rank, _attr(kind), None)
+    if exporter is None:
+        raise RuntimeError(f"{kind}_next without {kind}_open")
+    return exporter.next()
+
+
+def close_export(rank: Any, kind: str) -> None:
+    """Drop the rank's ``kind`` export and let the CUDA driver release the shared blocks."""
+    exporter: Exporter | None = getattr(rank, _attr(kind), None)
+    if exporter is not None:
+        exporter.close()
+        setattr(rank, _attr(kind), None)
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+        if getattr(rank, "asleep", False):
+            # A sleeping rank must not keep the push buffers in the allocator's cache: the
+            # engines take that memory back for their KV cache next (seed steps 41, 54).
+            torch.cuda.empty_cache()
+
+
 def ipc_open(rank: Any, packed: bool) -> dict[str, Any]:
     """Start an export on this rank; returns where it lives (``RankGpu`` fields)."""
     if not torch.cuda.is_available():
@@ -120,30 +164,14 @@ def ipc_open(rank: Any, packed: bool) -> dict[str, Any]:
             "the ipc weight transport needs the trainer ranks on GPUs (CUDA IPC); "
             "set trainer.weight_transport=shm on hosts without shared GPUs"
         )
-    device = torch.cuda.current_device()
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    ipc_close(rank)
-    setattr(rank, _ATTR, IpcExporter(rank.hf_buckets(), packed, uuid))
-    return {"rank": int(rank.rank), "gpu_uuid": uuid, "physical_gpu": physical_gpu(device)}
+    return open_export(rank, "ipc", lambda uuid: IpcExporter(rank.hf_buckets(), packed, uuid))
 
 
 def ipc_next(rank: Any) -> dict[str, Any] | None:
     """The next bucket's handle on this rank (collective: every rank must call it together)."""
-    exporter: IpcExporter | None = getattr(rank, _ATTR, None)
-    if exporter is None:
-        raise RuntimeError("ipc_next without ipc_open")
-    return exporter.next()
+    return next_export(rank, "ipc")
 
 
 def ipc_close(rank: Any) -> None:
     """Drop the export and let the CUDA driver release the shared blocks."""
-    exporter: IpcExporter | None = getattr(rank, _ATTR, None)
-    if exporter is not None:
-        exporter.close()
-        setattr(rank, _ATTR, None)
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
-        if getattr(rank, "asleep", False):
-            # A sleeping rank must not keep the push buffers in the allocator's cache: the
-            # engines take that memory back for their KV cache next (seed step 54).
-            torch.cuda.empty_cache()
+    close_export(rank, "ipc")
