@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import httpx
 
@@ -47,6 +47,20 @@ def error_message(response: httpx.Response) -> str:
         if err is not None:
             return str(err)
     return str(body)[:500]
+
+
+class SendOptions(TypedDict, total=False):
+    """What `ServiceClient.request` and `ServiceClient.send` take besides method and path."""
+
+    json: Any
+    params: Any
+    headers: dict[str, str] | None
+    timeout: float | object | None
+    """Seconds for this call; None waits forever; left out (or ``...``) uses the client's timeout."""
+    idempotent: bool
+    """Safe to resend after a 502/503/504 answer (connection failures are always retried)."""
+    retries: int | None
+    """Retries for this call; None (or left out) uses the client's."""
 
 
 class ServiceClient:
@@ -86,29 +100,10 @@ class ServiceClient:
         await self.aclose()
 
     async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        params: Any = None,
-        headers: dict[str, str] | None = None,
-        timeout: float | object | None = ...,
-        idempotent: bool = False,
-        expect: Iterable[int] = (200,),
-        retries: int | None = None,
+        self, method: str, path: str, *, expect: Iterable[int] = (200,), **options: Unpack[SendOptions]
     ) -> Any:
         """Send a request; retry connection failures; return the JSON body (None when empty)."""
-        response = await self.send(
-            method,
-            path,
-            json=json,
-            params=params,
-            headers=headers,
-            timeout=timeout,
-            idempotent=idempotent,
-            retries=retries,
-        )
+        response = await self.send(method, path, **options)
         if response.status_code not in set(expect):
             raise ServiceCallError(
                 method,
@@ -121,26 +116,23 @@ class ServiceClient:
             return None
         return _json_or_text(response)
 
-    async def send(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        params: Any = None,
-        headers: dict[str, str] | None = None,
-        timeout: float | object | None = ...,
-        idempotent: bool = False,
-        retries: int | None = None,
-    ) -> httpx.Response:
+    async def send(self, method: str, path: str, **options: Unpack[SendOptions]) -> httpx.Response:
         """Like `request` but returns the raw response whatever its status."""
+        retries = options.get("retries")
         attempts = (self.retries if retries is None else retries) + 1
+        timeout = options.get("timeout", ...)
         extra: dict[str, Any] = {} if timeout is ... else {"timeout": timeout}
+        idempotent = options.get("idempotent", False)
         last: Exception | None = None
         for attempt in range(attempts):
             try:
                 response = await self._client.request(
-                    method, path, json=json, params=params, headers=headers, **extra
+                    method,
+                    path,
+                    json=options.get("json"),
+                    params=options.get("params"),
+                    headers=options.get("headers"),
+                    **extra,
                 )
             except (
                 httpx.ConnectError,

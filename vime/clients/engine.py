@@ -12,7 +12,7 @@ message, whichever of vLLM's error shapes it used.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from vime.clients.base import ServiceCallError, ServiceClient
 from vime.wire.engine import EngineInfo, PauseMode
@@ -20,6 +20,17 @@ from vime.wire.vllm import GENERATE_PATH, GenerateResult, parse_generate_respons
 
 DEFAULT_GENERATE_TIMEOUT_S = 1800.0
 """Long enough for a 1024-token generation queued behind hundreds of others."""
+
+
+class GenerateOptions(TypedDict, total=False):
+    """What `EngineClient.generate` and `EngineClient.generate_choices` take besides prompt and sampling."""
+
+    model: str | None
+    """The served model name (vLLM checks it when given)."""
+    request_id: str | None
+    """The engine's id of the request, for `abort_requests`."""
+    timeout: float | object | None
+    """As `ServiceClient.request`'s."""
 
 
 class EngineClient(ServiceClient):
@@ -42,37 +53,22 @@ class EngineClient(ServiceClient):
         return out
 
     async def generate_choices(
-        self,
-        token_ids: Sequence[int],
-        sampling_params: Mapping[str, Any],
-        *,
-        model: str | None = None,
-        request_id: str | None = None,
-        timeout: float | object | None = ...,
+        self, token_ids: Sequence[int], sampling_params: Mapping[str, Any], **options: Unpack[GenerateOptions]
     ) -> list[GenerateResult]:
         """Generate and parse every choice (``sampling_params.n`` of them)."""
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": dict(sampling_params)}
-        if model is not None:
+        if (model := options.get("model")) is not None:
             body["model"] = model
-        if request_id is not None:
+        if (request_id := options.get("request_id")) is not None:
             body["request_id"] = request_id
-        output = await self.generate_raw(body, timeout=timeout)
+        output = await self.generate_raw(body, timeout=options.get("timeout", ...))
         return [parse_generate_response(output, i) for i in range(len(output.get("choices") or [None]))]
 
     async def generate(
-        self,
-        token_ids: Sequence[int],
-        sampling_params: Mapping[str, Any],
-        *,
-        model: str | None = None,
-        request_id: str | None = None,
-        timeout: float | object | None = ...,
+        self, token_ids: Sequence[int], sampling_params: Mapping[str, Any], **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
         """Generate one choice (seed steps 20–25): token ids, log-probs, finish reason, usage, version."""
-        choices = await self.generate_choices(
-            token_ids, sampling_params, model=model, request_id=request_id, timeout=timeout
-        )
-        return choices[0]
+        return (await self.generate_choices(token_ids, sampling_params, **options))[0]
 
     async def abort_requests(self, request_ids: Sequence[str] | None = None) -> int | None:
         """Abort requests by engine id (`vime.wire.engine.engine_request_id`); none given aborts all."""
