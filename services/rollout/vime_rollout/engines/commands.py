@@ -41,6 +41,20 @@ def _vllm_version() -> tuple[int, ...] | None:
     return tuple(int(p) for p in raw.split(".")[:2] if p.isdigit())
 
 
+def _serving_args(cfg: RunConfig, spec: EngineSpec, served_name: str) -> list[str]:
+    """What every engine (vLLM or reference) is told alike: its model name, address and context."""
+    return [
+        "--served-model-name",
+        served_name,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--max-model-len",
+        str(cfg.rollout_max_context_len),
+    ]
+
+
 def vllm_serve_args(
     cfg: RunConfig, spec: EngineSpec, model_path: str, served_name: str, *, scale_out: bool = False
 ) -> list[str]:
@@ -48,16 +62,9 @@ def vllm_serve_args(
     args = [
         "serve",
         model_path,
-        "--served-model-name",
-        served_name,
-        "--host",
-        spec.host,
-        "--port",
-        str(spec.port),
+        *_serving_args(cfg, spec, served_name),
         "--tensor-parallel-size",
         str(len(spec.gpu_ids) or cfg.rollout_num_gpus_per_engine),
-        "--max-model-len",
-        str(cfg.rollout_max_context_len),
         "--gpu-memory-utilization",
         str(cfg.engine.gpu_memory_utilization),
         "--seed",
@@ -92,14 +99,7 @@ def reference_command(cfg: RunConfig, spec: EngineSpec, model_path: str, served_
         "vime_rollout.reference_engine",
         "--model",
         model_path,
-        "--served-model-name",
-        served_name,
-        "--host",
-        spec.host,
-        "--port",
-        str(spec.port),
-        "--max-model-len",
-        str(cfg.rollout_max_context_len),
+        *_serving_args(cfg, spec, served_name),
         "--max-batch",
         str(cfg.engine.reference_max_batch),
         "--kv-cache-memory-bytes",
