@@ -18,7 +18,7 @@ from vime.launch.signals import SignalLatch, latched_signals
 from vime.launch.stack import StackPlan
 from vime.launch.summary import print_summary
 from vime.launch.supervisor import StackError, StackInterrupted, Supervisor
-from vime.launch.up import EXIT_FAILED, print_banner
+from vime.launch.up import EXIT_FAILED, run_stack
 from vime.wire.trainer import ACTIVE_STATES, RunState, RunStatus
 
 POLL_S = 0.5
@@ -61,18 +61,13 @@ def run_train(plan: StackPlan, console: Console, *, verbose: bool = False) -> in
     with latched_signals() as latch:
         sup = Supervisor(plan, console, latch, verbose)
         status: RunStatus | None = None
-        try:
-            sup.start()
-            print_banner(plan, console)
+
+        def train() -> int:
+            nonlocal status
             status = asyncio.run(follow_run(plan, sup, latch, console, verbose))
-            code = 0 if status.state in (RunState.FINISHED, RunState.STOPPED) else EXIT_FAILED
-        except StackInterrupted:
-            code = latch.exit_code()
-        except StackError as exc:
-            console.print(f"[red]✗ {exc}[/]", highlight=False)
-            code = EXIT_FAILED
-        finally:
-            sup.stop()
+            return 0 if status.state in (RunState.FINISHED, RunState.STOPPED) else EXIT_FAILED
+
+        code = run_stack(sup, train)
         if sup.started:  # something ran: there may be records to sum up
             print_summary(status, plan.run_dir, console)
         return code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.console import Console
 
 from vime.launch.signals import SignalLatch, latched_signals
@@ -34,20 +36,29 @@ def watch(sup: Supervisor, latch: SignalLatch) -> int:
     return latch.exit_code()
 
 
+def run_stack(sup: Supervisor, body: Callable[[], int]) -> int:
+    """Start the stack, say where it is, then ``body()`` gives the exit code; a signal while starting
+    (128 + signum) or a failed stack (1, the reason printed) ends it early. The stack always stops."""
+    try:
+        sup.start()
+        print_banner(sup.plan, sup.console)
+        return body()
+    except StackInterrupted:
+        return sup.latch.exit_code()
+    except StackError as exc:
+        sup.console.print(f"[red]✗ {exc}[/]", highlight=False)
+        return EXIT_FAILED
+    finally:
+        sup.stop()
+
+
 def run_up(plan: StackPlan, console: Console, *, verbose: bool = False) -> int:
     """The whole ``vime up``; returns the process exit code."""
     with latched_signals() as latch:
         sup = Supervisor(plan, console, latch, verbose)
-        try:
-            sup.start()
-            print_banner(plan, console)
+
+        def hold() -> int:
             console.print("[dim]Ctrl-C stops everything[/]")
-            code = watch(sup, latch)
-        except StackInterrupted:
-            code = latch.exit_code()
-        except StackError as exc:
-            console.print(f"[red]✗ {exc}[/]", highlight=False)
-            code = EXIT_FAILED
-        finally:
-            sup.stop()
-        return code
+            return watch(sup, latch)
+
+        return run_stack(sup, hold)
