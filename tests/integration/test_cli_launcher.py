@@ -51,7 +51,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @dataclass
-class Up:
+class Launched:
     cfg: dict[str, Any]
     child: procs.Child
     mark: str
@@ -61,27 +61,33 @@ class Up:
         return resolved_config(self.cfg)
 
 
-def _up(work: Path, model_cache: Path, **extra: Any) -> Up:
+def _launch(command: str, work: Path, model_cache: Path, **extra: Any) -> Launched:
+    """``vime <command> -c <config>`` on a fresh stack config (``extra`` changes it), marked."""
     cfg = stack_config(work, **extra)
     mark = uuid.uuid4().hex
     child = start_vime(
-        work / "up.log", "up", "-c", str(write_config(work, cfg)), mark=mark, model_cache=model_cache
+        work / f"{command}.log",
+        command,
+        "-c",
+        str(write_config(work, cfg)),
+        mark=mark,
+        model_cache=model_cache,
     )
-    return Up(cfg, child, mark)
+    return Launched(cfg, child, mark)
 
 
-def _down(up: Up) -> None:
-    stop_vime(up.child, up.mark)
+def _stop(launched: Launched) -> None:
+    stop_vime(launched.child, launched.mark)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Up]:
-    up = _up(tmp_path_factory.mktemp("cli-up"), model_cache)
+def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Launched]:
+    up = _launch("up", tmp_path_factory.mktemp("cli-up"), model_cache)
     try:
         wait_for_output(up.child, "is up", STARTUP_S)
         yield up
     finally:
-        _down(up)
+        _stop(up)
 
 
 def _status(*args: str, cwd: Path | None = None) -> tuple[int, dict[str, Any]]:
@@ -89,7 +95,7 @@ def _status(*args: str, cwd: Path | None = None) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
-def test_status_sees_every_service_healthy(stack: Up) -> None:
+def test_status_sees_every_service_healthy(stack: Launched) -> None:
     code, st = _status("-c", str(stack.resolved))
     assert code == 0 and st["healthy"], st
     assert {s["name"]: s["healthy"] for s in st["services"]} == dict.fromkeys(
@@ -104,7 +110,7 @@ def test_status_sees_every_service_healthy(stack: Up) -> None:
     assert os.readlink(Path(stack.cfg["output_dir"]) / "latest") == stack.cfg["run_id"]
 
 
-def test_rollout_returns_scored_samples(stack: Up, tmp_path: Path) -> None:
+def test_rollout_returns_scored_samples(stack: Launched, tmp_path: Path) -> None:
     out = tmp_path / "samples.jsonl"
     proc = run_vime(
         "rollout", "-c", str(stack.resolved), "--rollout-id", "7", "--out", str(out), "--show", "3"
@@ -131,7 +137,7 @@ def test_rollout_against_no_stack_fails_clearly(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "rollout failed" in proc.stderr
 
 
-def test_ctrl_c_stops_every_process_and_frees_every_port(stack: Up) -> None:
+def test_ctrl_c_stops_every_process_and_frees_every_port(stack: Launched) -> None:
     tree = descendants(stack.child.pid)  # the whole stack: `up` is a subreaper, nothing escaped yet
     commands = " ".join(tree.values())
     for part in (
@@ -159,7 +165,7 @@ def test_ctrl_c_stops_every_process_and_frees_every_port(stack: Up) -> None:
 
 
 def test_a_dying_child_takes_the_stack_down_with_its_log_tail(tmp_path: Path, model_cache: Path) -> None:
-    up = _up(tmp_path, model_cache)
+    up = _launch("up", tmp_path, model_cache)
     try:
         wait_for_output(up.child, "is up", STARTUP_S)
         tree = descendants(up.child.pid)
@@ -174,11 +180,11 @@ def test_a_dying_child_takes_the_stack_down_with_its_log_tail(tmp_path: Path, mo
         assert survivors(tree) == {} and leftovers(up.mark) == {}
         assert [p for p in stack_ports(up.cfg) if procs.port_open("127.0.0.1", p)] == []
     finally:
-        _down(up)
+        _stop(up)
 
 
 def test_a_child_failing_at_start_fails_up_with_the_reason(tmp_path: Path, model_cache: Path) -> None:
-    up = _up(tmp_path, model_cache, model__hf_checkpoint=str(tmp_path / "no-such-model"))
+    up = _launch("up", tmp_path, model_cache, model__hf_checkpoint=str(tmp_path / "no-such-model"))
     try:
         assert wait_exit(up.child, 150) == 1
         log = up.child.log_path.read_text()  # type: ignore[union-attr]
@@ -186,7 +192,7 @@ def test_a_child_failing_at_start_fails_up_with_the_reason(tmp_path: Path, model
         assert "trainer" not in re.findall(r"✓ (\w+)", log)  # never started: the rollout came first
         assert leftovers(up.mark) == {}
     finally:
-        _down(up)
+        _stop(up)
 
 
 def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path, model_cache: Path) -> None:
@@ -194,28 +200,20 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path, model_cac
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         taken = sock.getsockname()[1]
-        up = _up(tmp_path, model_cache, services__rollout_port=taken)
+        up = _launch("up", tmp_path, model_cache, services__rollout_port=taken)
         try:
             assert wait_exit(up.child, 60) == 1
             log = up.child.log_path.read_text()  # type: ignore[union-attr]
             assert f"port {taken} (rollout) is already in use" in log
             assert "✓" not in log and leftovers(up.mark) == {}
         finally:
-            _down(up)
+            _stop(up)
 
 
 @pytest.mark.timeout(600)
 def test_train_runs_to_the_end_and_leaves_its_records(tmp_path: Path, model_cache: Path) -> None:
-    cfg = stack_config(tmp_path, num_rollout=2)
-    mark = uuid.uuid4().hex
-    child = start_vime(
-        tmp_path / "train.log",
-        "train",
-        "-c",
-        str(write_config(tmp_path, cfg)),
-        mark=mark,
-        model_cache=model_cache,
-    )
+    train = _launch("train", tmp_path, model_cache, num_rollout=2)
+    cfg, child = train.cfg, train.child
     try:
         assert wait_exit(child, 540) == 0, child.log_tail(80)
         log = child.log_path.read_text()  # type: ignore[union-attr]
@@ -235,22 +233,14 @@ def test_train_runs_to_the_end_and_leaves_its_records(tmp_path: Path, model_cach
             "reward mean",
         ):
             assert text in log, text
-        assert leftovers(mark) == {}
+        assert leftovers(train.mark) == {}
     finally:
-        stop_vime(child, mark)
+        _stop(train)
 
 
 def test_ctrl_c_during_train_stops_the_run_after_its_step(tmp_path: Path, model_cache: Path) -> None:
-    cfg = stack_config(tmp_path, num_rollout=500)
-    mark = uuid.uuid4().hex
-    child = start_vime(
-        tmp_path / "train.log",
-        "train",
-        "-c",
-        str(write_config(tmp_path, cfg)),
-        mark=mark,
-        model_cache=model_cache,
-    )
+    train = _launch("train", tmp_path, model_cache, num_rollout=500)
+    cfg, child = train.cfg, train.child
     try:
         wait_for_output(child, "step   1 ", STARTUP_S)
         tree = descendants(child.pid)
@@ -260,6 +250,6 @@ def test_ctrl_c_during_train_stops_the_run_after_its_step(tmp_path: Path, model_
         assert "stopping after the current step" in log and f"run {cfg['run_id']}: stopped" in log
         rows = (Path(cfg["output_dir"]) / cfg["run_id"] / "metrics.jsonl").read_text().splitlines()
         assert 2 <= len(rows) < 500
-        assert survivors(tree) == {} and leftovers(mark) == {}
+        assert survivors(tree) == {} and leftovers(train.mark) == {}
     finally:
-        stop_vime(child, mark)
+        _stop(train)
