@@ -7,8 +7,8 @@
   (seed step 2), i.e. exactly the ``vllm serve`` line production runs;
 - `train_steps`: timed GRPO steps on started trainer ranks, with MFU;
 - `manager_payloads` / `direct_round`: the rollout manager's own generate requests, sent straight
-  to the engines (the "direct" side of a rollout comparison);
-- `write_prompts`, `start_services`: prompt files and the reward / router / Redis processes.
+  to the engines (the "direct" side of a rollout comparison; `rollout_overhead.py` uses them too);
+- `write_prompts`: prompt files.
 """
 
 from __future__ import annotations
@@ -216,22 +216,6 @@ async def direct_round(
     finally:
         for c in clients:
             await c.aclose()
-
-
-def start_services(cfg_path: Path, cfg: dict[str, Any], logs: Path) -> list[procs.Child]:
-    """Reward service and router (control plane + vllm-router) for ``cfg``, healthy."""
-    s = cfg["services"]
-    reward = procs.start(
-        "reward", procs.python_module("vime_reward", "--config", str(cfg_path)), log_path=logs / "reward.log"
-    )
-    router = procs.start(
-        "router",
-        procs.python_module("vime_router", "--config", str(cfg_path), "--log-dir", str(logs)),
-        log_path=logs / "router.log",
-    )
-    procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
-    procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
-    return [reward, router]
 
 
 # --- weight-sync rounds -----------------------------------------------------------------------

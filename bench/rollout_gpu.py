@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,12 +42,14 @@ from gpu_common import (
     emit,
     manager_payloads,
     start_engine,
-    start_services,
     wait_engine,
     write_prompts,
 )
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
+
+from tests.support.rollout_stack import start_rollout_services
 from vime import procs
 from vime.clients.rollout import RolloutClient
 from vime.config import load_config
@@ -178,16 +181,9 @@ def variant(
     path = work / f"manager-{'lp' if logprobs else 'nolp'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     logs = work / "logs" / path.stem
-    children = start_services(path, raw, logs)
+    children: list[procs.Child] = []
     try:
-        manager = procs.start(
-            "rollout",
-            procs.python_module("vime_rollout", "--config", str(path), "--log-dir", str(logs)),
-            log_path=logs / "rollout.log",
-        )
-        children.append(manager)
-        url = f"http://127.0.0.1:{raw['services']['rollout_port']}"
-        procs.wait_healthy(url, manager, timeout_s=300)
+        url = start_rollout_services(path, raw["services"], logs, children)
         return asyncio.run(measure(url, load_config(path), model, engine_url, args, logprobs))
     finally:
         for child in reversed(children):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import statistics
 import sys
 import tempfile
@@ -33,16 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gpu_common import direct_round, manager_payloads
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
+
+from tests.support.rollout_stack import start_rollout_services
+from tests.support.router_harness import start_fake_engines
 from vime import procs
 from vime.clients.rollout import RolloutClient
-from vime.clients.router import RouterDataClient
 from vime.config import load_config
 from vime.models.tiny import ensure_tiny_qwen3
-from vime.types import Sample
-from vime.wire.vllm import GENERATE_PATH
 
 console = Console()
 TOKEN = "bench-token"
@@ -90,62 +91,6 @@ def write_config(
     return path, cfg
 
 
-async def direct_round(
-    urls: list[str], payloads: list[dict[str, Any]], concurrency: int
-) -> tuple[int, float]:
-    """All payloads straight to the engines, round-robin, at most ``concurrency`` in flight, with the
-    same HTTP client the manager uses towards the router."""
-    sem = asyncio.Semaphore(concurrency)
-    clients = [RouterDataClient(u, timeout_s=600) for u in urls]
-    targets = itertools.cycle(clients)
-
-    async def one(payload: dict[str, Any], client: RouterDataClient) -> int:
-        async with sem:
-            out = await client.post(GENERATE_PATH, payload)
-            return len(out["choices"][0]["token_ids"])
-
-    try:
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(one(p, next(targets)) for p in payloads))
-        return sum(tokens), time.perf_counter() - start
-    finally:
-        for c in clients:
-            await c.aclose()
-
-
-def direct_payloads(cfg_path: Path, model_path: Path, prompts: int, n: int) -> list[dict[str, Any]]:
-    """The manager's own requests for the first ``prompts`` prompts of its data source."""
-    from vime_rollout.data import DataSource
-    from vime_rollout.factory import build_datasets
-    from vime_rollout.model import load_tokenizer, served_model_name
-    from vime_rollout.rollout.generate import request_payload
-    from vime_rollout.rollout.state import GenerateState, SamplingSettings
-
-    cfg = load_config(cfg_path)
-    tok = load_tokenizer(model_path)
-    train, _ = build_datasets(cfg, tok)
-    groups = DataSource(train, n, shuffle=False).get_samples(prompts)
-
-    class _Nothing:
-        async def score(self, samples: list[Sample]) -> list[tuple[float, None]]:
-            return []
-
-        async def generate(self, payload: dict[str, Any], *, session_id: str | None = None) -> dict[str, Any]:
-            return {}
-
-    state = GenerateState(
-        cfg=cfg,
-        tokenizer=tok,
-        generator=_Nothing(),
-        scorer=_Nothing(),
-        model_name=served_model_name(cfg, model_path),
-        sampling=SamplingSettings.for_training(cfg),
-        concurrency=1,
-        weight_version=lambda: 0,
-    )
-    return [request_payload(state, s, cfg.rollout_max_response_len, None) for g in groups for s in g]
-
-
 async def measure(
     args: argparse.Namespace, cfg_path: Path, cfg: dict[str, Any], model_path: Path
 ) -> list[dict[str, float]]:
@@ -153,7 +98,7 @@ async def measure(
     rows = []
     async with RolloutClient(url, token=TOKEN) as client:
         engines = [e.url for e in (await client.engines()).engines]
-        payloads = direct_payloads(cfg_path, model_path, args.prompts, args.n)
+        payloads = manager_payloads(load_config(cfg_path), model_path, logprobs=None)
         concurrency = args.concurrency * len(engines)
         await direct_round(engines, payloads[: len(engines) * 4], concurrency)  # warm-up
         await client.rollout(10_000)
@@ -182,48 +127,6 @@ async def measure(
     return rows
 
 
-def start_fake_engines(work: Path, args: argparse.Namespace) -> tuple[list[procs.Child], list[str]]:
-    """Fake engines: a fixed delay and a fixed number of tokens per request, no CPU."""
-    script = Path(__file__).resolve().parents[1] / "tests" / "support" / "fake_engine.py"
-    children, urls = [], []
-    for k in range(args.engines):
-        port = procs.free_port()
-        argv = [sys.executable, str(script), "--port", str(port), "--engine-id", f"e{k}"]
-        argv += ["--delay-s", str(args.delay_s), "--max-tokens-cap", str(args.response_len)]
-        children.append(procs.start(f"fake{k}", argv, log_path=work / "logs" / f"fake{k}.log"))
-        urls.append(f"http://127.0.0.1:{port}")
-    for child, url in zip(children, urls, strict=True):
-        procs.wait_healthy(url, child, timeout_s=60)
-    return children, urls
-
-
-def start_stack(work: Path, cfg_path: Path, cfg: dict[str, Any]) -> list[procs.Child]:
-    s = cfg["services"]
-    logs = work / "logs"
-    children = []
-    reward = procs.start(
-        "reward", procs.python_module("vime_reward", "--config", str(cfg_path)), log_path=logs / "reward.log"
-    )
-    children.append(reward)
-    router = procs.start(
-        "router",
-        procs.python_module("vime_router", "--config", str(cfg_path), "--log-dir", str(logs)),
-        log_path=logs / "router.log",
-    )
-    children.append(router)
-    procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
-    procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
-    manager = procs.start(
-        "rollout",
-        procs.python_module("vime_rollout", "--config", str(cfg_path), "--log-dir", str(logs)),
-        log_path=logs / "rollout.log",
-        env={"VIME_MODEL_CACHE": str(work / "models")},
-    )
-    children.append(manager)
-    procs.wait_healthy(f"http://127.0.0.1:{s['rollout_port']}", manager, timeout_s=900)
-    return children
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["fake", "reference"], default="fake")
@@ -244,10 +147,20 @@ def main() -> int:
     try:
         urls: list[str] = []
         if args.engine == "fake":
-            children, urls = start_fake_engines(work, args)
+            fakes = start_fake_engines(
+                args.engines, work / "logs", delay_s=args.delay_s, max_tokens_cap=args.response_len
+            )
+            children, urls = [e.child for e in fakes], [e.url for e in fakes]
         cfg_path, cfg = write_config(work, args, redis_port, urls)
         with console.status("starting reward, router, rollout manager and engines"):
-            children += start_stack(work, cfg_path, cfg)
+            start_rollout_services(
+                cfg_path,
+                cfg["services"],
+                work / "logs",
+                children,
+                manager_env={"VIME_MODEL_CACHE": str(work / "models")},
+                manager_timeout_s=900,
+            )
         rows = asyncio.run(measure(args, cfg_path, cfg, model_path))
     finally:
         for child in reversed(children):

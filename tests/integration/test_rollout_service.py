@@ -30,6 +30,7 @@ import pytest
 import yaml
 from vime_rollout.rollout.state import logprobs_wanted
 
+from tests.support.rollout_stack import start_rollout_services
 from vime import procs
 from vime.algorithms import normalize_group_rewards
 from vime.clients.base import ServiceCallError
@@ -154,34 +155,18 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     cfg_path = work / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     logs = work / "logs"
-    s = cfg["services"]
     children: list[procs.Child] = []
     engine_pids: list[int] = []
     try:
-        reward = procs.start(
-            "reward",
-            procs.python_module("vime_reward", "--config", str(cfg_path)),
-            log_path=logs / "reward.log",
-            env={"PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])},
+        url = start_rollout_services(
+            cfg_path,
+            cfg["services"],
+            logs,
+            children,
+            reward_env={"PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])},
+            manager_env={"VIME_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models")},
         )
-        children.append(reward)
-        router = procs.start(
-            "router",
-            procs.python_module("vime_router", "--config", str(cfg_path), "--log-dir", str(logs)),
-            log_path=logs / "router.log",
-        )
-        children.append(router)
-        procs.wait_healthy(f"http://127.0.0.1:{s['reward_port']}", reward, timeout_s=120)
-        procs.wait_healthy(f"http://127.0.0.1:{s['router_control_port']}", router, timeout_s=120)
-        manager = procs.start(
-            "rollout",
-            procs.python_module("vime_rollout", "--config", str(cfg_path), "--log-dir", str(logs)),
-            log_path=logs / "rollout.log",
-            env={"VIME_MODEL_CACHE": str(tmp_path_factory.getbasetemp() / "models")},
-        )
-        children.append(manager)
-        url = f"http://127.0.0.1:{s['rollout_port']}"
-        procs.wait_healthy(url, manager, timeout_s=300)
+        manager = children[-1]  # started last
         engine_pids = [e["pid"] for e in httpx.get(url + "/v1/engines").json()["engines"]]
         yield Stack(url, cfg_path, cfg, redis_url, manager, logs)
     finally:
