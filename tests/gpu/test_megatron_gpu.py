@@ -12,12 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 from vime_trainer.megatron.actor_group import ActorGroup
 from vime_trainer.weights.hf_checkpoint import HFReader
 
-from tests.support.megatron import SEED_ADVANTAGE, one, rollout_batch, run_config, split
+from tests.support.megatron import SEED_ADVANTAGE, local_ray, one, rollout_batch, run_config, split
 from vime.config import RunConfig
 from vime.models.tiny import build_tiny_qwen3
 
@@ -30,12 +29,8 @@ TOKENS = np.random.default_rng(5).integers(0, 128, size=(2, 33))
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 from gpu_support import cuda_gpus, record
 
+from tests.support.megatron import local_ray
 from vime.config import load_config
 
 TOKENS = np.random.default_rng(7).integers(3, 128, size=(4, 48))
@@ -28,12 +28,8 @@ TOKENS = np.random.default_rng(7).integers(3, 128, size=(4, 48))
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray():
+        yield
 
 
 def hf_log_probs(model_dir: Path, dtype: torch.dtype, device: str) -> np.ndarray:

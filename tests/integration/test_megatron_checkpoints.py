@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 from vime_trainer.megatron.actor_group import ActorGroup
 from vime_trainer.megatron.checkpoint import STATE_FILE, latest_checkpoint
 from vime_trainer.weights.hf_checkpoint import HFReader
 from vime_trainer.weights.shm import read_bucket
 
-from tests.support.megatron import hf_logits, one, rollout_batch, run_config, split
+from tests.support.hf_models import build_hf
+from tests.support.megatron import hf_logits, local_ray, one, rollout_batch, run_config, split
 from vime.models.tiny import ensure_tiny_qwen3
 
 TOKENS = np.random.default_rng(3).integers(0, 128, size=(2, 17))
@@ -28,12 +28,8 @@ TOKENS = np.random.default_rng(3).integers(0, 128, size=(2, 17))
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray(num_cpus=2):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -184,47 +180,12 @@ def test_export_command_reports_a_missing_checkpoint(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "neither a complete checkpoint" in proc.stderr
 
 
-def _build(out: Path, family: str, tie: bool) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    shape = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-    )
-    if family == "qwen2":
-        config, cls = (
-            Qwen2Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-            Qwen2ForCausalLM,
-        )
-    else:
-        config, cls = (
-            LlamaConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
-            LlamaForCausalLM,
-        )
-    config.architectures = [cls.__name__]
-    torch.manual_seed(1)
-    model = cls(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)  # Qwen2's q/k/v biases must be mapped, not left at zero
-    model.save_pretrained(str(out))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "tie", "tp"), [("qwen2", True, 2), ("llama", False, 1)])
 def test_qwen2_and_llama_load_exactly(
     ray_cluster: None, tmp_path: Path, family: str, tie: bool, tp: int
 ) -> None:
-    checkpoint = _build(tmp_path / family, family, tie)
+    checkpoint = build_hf(tmp_path / family, family, tie, seed=1)
     cfg = run_config(tmp_path, tp=tp, ranks=tp)
     group = _started(cfg, checkpoint)
     try:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
 from vime_trainer.megatron.sft import sft_rank_batches
 from vime_trainer.weights.hf_checkpoint import HFReader
@@ -20,6 +19,7 @@ from tests.support.megatron import (
     SEED_ADVANTAGE,
     hf_logits,
     hf_reference,
+    local_ray,
     one,
     rollout_batch,
     run_config,
@@ -33,12 +33,8 @@ TOKENS = np.random.default_rng(7).integers(0, 128, size=(2, 21))
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray(num_cpus=2):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""Helpers of the Megatron trainer tests: configs, rank batches, and an independent HF reference step."""
+"""Helpers of the Megatron trainer tests: Ray, configs, rank batches, and an independent HF reference step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,21 @@ from vime.config import RunConfig, load_config
 from vime.types import Sample, SampleStatus
 
 SEED_ADVANTAGE = 0.9354  # seed step 30: rewards [1,0,0,1,1,0,1,0] normalise to ±0.9354
+
+
+@contextmanager
+def local_ray(**init: Any) -> Iterator[None]:
+    """Ray for the ranks' actors: started here (``init`` passed on) unless one is up, which is left up."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, **init)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def run_config(tmp: Path, tp: int = 1, ranks: int = 1, pp: int = 1, **top: Any) -> RunConfig:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainer_hf_models import build_hf
+
+from tests.support.hf_models import build_hf
 
 
 @pytest.fixture(scope="session")

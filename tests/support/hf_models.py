@@ -1,4 +1,5 @@
-"""Small random Qwen2 / Llama checkpoints built with transformers (Qwen3 comes from the tiny-model kit)."""
+"""Small random Qwen2 / Llama checkpoints built with transformers (Qwen3 comes from the tiny-model kit),
+for the trainer's HF mapping tests and the Megatron loading tests."""
 
 from __future__ import annotations
 
