@@ -24,7 +24,6 @@ import httpx
 import pytest
 from test_trainer_support import (
     AUTH,
-    PUSH,
     EngineWatch,
     Stack,
     actions,
@@ -39,6 +38,7 @@ from test_trainer_support import (
     wait_first_step,
 )
 
+from tests.support.run_events import PUSH
 from vime.wire.trainer import STEP_PHASES
 
 pytestmark = pytest.mark.slow

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.support.run_events import STEP, SYNC, action_names
 from vime import procs
 from vime.clients.trainer import TrainerClient
 
@@ -200,35 +201,12 @@ async def call(stack: Stack, fn: Any) -> Any:
 
 
 def actions(events: list[dict[str, Any]], rollout_id: int | None) -> list[str]:
-    out: list[str] = []
-    for e in events:
-        if e["rollout_id"] != rollout_id or e["action"] == "run.stop_requested":
-            continue
-        name = e["action"] + (f"({','.join(e['detail']['tags'])})" if "tags" in e["detail"] else "")
-        if not out or not (name == out[-1] == "weights.update"):
-            out.append(name)
-    return out
+    """The action names of one rollout's events (a stop request may land anywhere: left out)."""
+    return action_names(
+        e for e in events if e["rollout_id"] == rollout_id and e["action"] != "run.stop_requested"
+    )
 
 
-PUSH = [
-    "weights.push",
-    "weights.pause",
-    "weights.flush",
-    "weights.start",
-    "weights.update",
-    "weights.finish",
-    "weights.resume",
-    "weights.loaded",
-]
-STEP = [
-    "rollout.start",
-    "rollout.done",
-    "engines.offload",
-    "trainer.train",
-    "trainer.sleep",
-    "rollout.training_completed",
-]
-SYNC = ["engines.onload(weights)", "admission.pause", *PUSH]
 ALLOWED = {
     ((), ("kv_cache", "weights")),
     (("kv_cache", "weights"), ("kv_cache",)),

@@ -14,6 +14,7 @@ from vime_trainer.ops import RunError, RunOps
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
+from tests.support.run_events import PUSH, STEP, SYNC, action_names
 from vime.config import load_config
 from vime.wire.trainer import RunState
 
@@ -64,26 +65,10 @@ class Run:
         return await self.controller.run()
 
     def actions(self, rollout_id: Any = "all") -> list[str]:
-        out: list[str] = []
-        for e in self.events.events:
-            if rollout_id != "all" and e.rollout_id != rollout_id:
-                continue
-            name = e.action + (f"({','.join(e.detail['tags'])})" if "tags" in e.detail else "")
-            if not out or out[-1] != name or name != "weights.update":
-                out.append(name)
-        return out
-
-
-PUSH = [
-    "weights.push",
-    "weights.pause",
-    "weights.flush",
-    "weights.start",
-    "weights.update",
-    "weights.finish",
-    "weights.resume",
-    "weights.loaded",
-]
+        """The action names of one rollout's events ("all": of every event)."""
+        return action_names(
+            e.model_dump() for e in self.events.events if rollout_id == "all" or e.rollout_id == rollout_id
+        )
 
 
 async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
@@ -101,22 +86,13 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
         "admission.resume",
         "engines.onload(kv_cache)",  # 9–13
     ]
-    step = [
-        "rollout.start",
-        "rollout.done",
-        "engines.offload",
-        "trainer.train",
-        "trainer.sleep",
-        "rollout.training_completed",
-    ]
-    sync = ["engines.onload(weights)", "admission.pause", *PUSH]
-    assert run.actions(0) == [*step, *sync, "admission.resume", "engines.onload(kv_cache)", "step.done"]
+    assert run.actions(0) == [*STEP, *SYNC, "admission.resume", "engines.onload(kv_cache)", "step.done"]
     # The last rollout saves after training, and skips resuming admission (seed step 53).
     assert run.actions(1) == [
-        *step,
+        *STEP,
         "trainer.save",
         "trainer.sleep",
-        *sync,
+        *SYNC,
         "engines.onload(kv_cache)",
         "step.done",
     ]

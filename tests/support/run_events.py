@@ -1,0 +1,41 @@
+"""The trainer's run events as the loop tests compare them: the seed's order of a step's actions
+and the names a list of events boils down to (shared by the in-process and the REST loop tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+PUSH = [
+    "weights.push",
+    "weights.pause",
+    "weights.flush",
+    "weights.start",
+    "weights.update",
+    "weights.finish",
+    "weights.resume",
+    "weights.loaded",
+]
+"""One weight push (seed steps 4–8, 46–52); ``weights.update`` stands for all of its buckets."""
+STEP = [
+    "rollout.start",
+    "rollout.done",
+    "engines.offload",
+    "trainer.train",
+    "trainer.sleep",
+    "rollout.training_completed",
+]
+"""A step up to its weight sync (seed steps 14–42)."""
+SYNC = ["engines.onload(weights)", "admission.pause", *PUSH]
+"""A step's weight sync (seed steps 43–52)."""
+
+
+def action_names(events: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Each event's action, as ``action(tag,...)`` when it carries tags; a run of ``weights.update``
+    (one per bucket, however many there are) counts once."""
+    out: list[str] = []
+    for e in events:
+        name = e["action"] + (f"({','.join(e['detail']['tags'])})" if "tags" in e["detail"] else "")
+        if not out or not (name == out[-1] == "weights.update"):
+            out.append(name)
+    return out
