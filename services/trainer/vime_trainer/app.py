@@ -123,10 +123,7 @@ def _add_request_routes(app: FastAPI, registry: RunRegistry, auth: list[Any]) ->
     ) -> PushResult | Accepted:
         handle = registry.require_active()
         fut = handle.ctx.request_push()
-        if body is not None and not body.wait:
-            response.status_code = 202
-            return Accepted(run_id=handle.ctx.run_id, accepted="weights.push")
-        return await _served(fut, "weight push")
+        return await _served(fut, body, response, handle.ctx.run_id, "weights.push", "weight push")
 
     @app.post("/v1/checkpoints", response_model=CheckpointResult | Accepted, dependencies=auth)
     async def checkpoint(
@@ -134,13 +131,22 @@ def _add_request_routes(app: FastAPI, registry: RunRegistry, auth: list[Any]) ->
     ) -> CheckpointResult | Accepted:
         handle = registry.require_active()
         fut = handle.ctx.request_checkpoint()
-        if body is not None and not body.wait:
-            response.status_code = 202
-            return Accepted(run_id=handle.ctx.run_id, accepted="checkpoint")
-        return await _served(fut, "checkpoint")
+        return await _served(fut, body, response, handle.ctx.run_id, "checkpoint", "checkpoint")
 
 
-async def _served(fut: asyncio.Future[Any], what: str) -> Any:
+async def _served(
+    fut: asyncio.Future[Any],
+    body: PushRequest | CheckpointRequest | None,
+    response: Response,
+    run_id: str,
+    action: str,
+    what: str,
+) -> Any:
+    """The request's result once the run has served it (502 with the cause if it could not), or
+    202 `Accepted` at once when the body says not to wait."""
+    if body is not None and not body.wait:
+        response.status_code = 202
+        return Accepted(run_id=run_id, accepted=action)
     try:
         return await asyncio.shield(fut)
     except RuntimeError as exc:
