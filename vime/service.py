@@ -153,6 +153,14 @@ def create_app(
         metrics.latency.labels(name, path).observe(time.perf_counter() - start)
         return response
 
+    _add_error_handlers(app)
+    _add_service_routes(app, name, metrics, health)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as ``{"error": {"message": ...}}``; a 422 names each bad field."""
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = []
@@ -172,6 +180,12 @@ def create_app(
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers)
 
+
+def _add_service_routes(
+    app: FastAPI, name: str, metrics: Metrics, health: Callable[[], Awaitable[dict[str, Any]]] | None
+) -> None:
+    """``GET /health`` (with the service's own fields) and ``GET /metrics`` (Prometheus)."""
+
     @app.get("/health")
     async def _health() -> dict[str, Any]:
         extra = await health() if health is not None else {}
@@ -185,8 +199,6 @@ def create_app(
     @app.get("/metrics")
     async def _metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
