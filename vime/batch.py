@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import chain
-from typing import Any
+from typing import Any, get_type_hints
 
 import msgspec
 import numpy as np
@@ -267,20 +267,18 @@ class _Header(msgspec.Struct):
     version: int = -1
 
 
-class _Envelope(msgspec.Struct):
-    magic: str
-    version: int
-    batch_id: str
-    run_id: str
-    rollout_id: int
-    weight_version: int
-    dp_rank: int
-    dp_size: int
-    micro_batches: list[tuple[int, int]]
-    num_microbatches: list[int]
-    global_batch_size: int
-    metrics: dict[str, float]
-    arrays: dict[str, _EncodedArray]
+_META_TYPES = get_type_hints(RankBatch)
+_Envelope = msgspec.defstruct(
+    "_Envelope",
+    [
+        ("magic", str),
+        ("version", int),
+        *((name, _META_TYPES[name]) for name in _META_FIELDS),
+        ("arrays", dict[str, _EncodedArray]),
+    ],
+)
+"""The whole blob: magic, version, `RankBatch`'s metadata fields (derived, so the two cannot drift
+apart), and the column arrays."""
 
 
 def encode_rank_batch(rb: RankBatch) -> bytes:
@@ -305,7 +303,7 @@ def decode_rank_batch(data: bytes | bytearray | memoryview) -> RankBatch:
             raise BatchFormatError(
                 f"rank batch format version {header.version} is not supported (this build reads {FORMAT_VERSION})"
             )
-        env = msgspec.msgpack.decode(data, type=_Envelope)
+        env: Any = msgspec.msgpack.decode(data, type=_Envelope)
     except msgspec.DecodeError as e:  # ValidationError is a subclass
         raise BatchFormatError(f"rank batch blob is malformed ({len(data)} bytes): {e}") from e
     missing = COLUMNS.keys() - env.arrays.keys()
