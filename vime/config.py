@@ -23,6 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 ENV_PREFIX = "VIME_"
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM's ``_SAMPLING_EPS``: a sampling temperature below it means greedy decoding."""
 
 
 class Section(BaseModel):
@@ -234,7 +236,7 @@ class RunConfig(Section):
     rollout_max_context_len: int = Field(4096, ge=2)
     """Engine context length (vLLM max_model_len)."""
     rollout_temperature: float = Field(1.0, ge=0)
-    """Sampling temperature."""
+    """Sampling temperature of training rollouts (> 0); the trainer's log-probs are of logits / it."""
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling."""
     rollout_top_k: int = Field(-1, ge=-1)
@@ -425,6 +427,13 @@ class RunConfig(Section):
             )
         if self.use_critic:
             yield "use_critic is not supported: GRPO needs no critic; set use_critic=false"
+        if self.rollout_temperature < GREEDY_TEMPERATURE:
+            yield (
+                f"rollout_temperature={self.rollout_temperature} is greedy decoding: every sample of a "
+                "GRPO group would be the same response (all advantages 0) and the trainer's log-probs "
+                "of logits / temperature are undefined; set rollout_temperature > 0 "
+                "(data.eval_temperature=0 is how to evaluate greedily)"
+            )
 
     # --- derived values, shown by `vime config show` ----------------------------------------
     @computed_field  # type: ignore[prop-decorator]

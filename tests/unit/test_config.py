@@ -48,6 +48,8 @@ def test_explicit_values_are_kept() -> None:
         (["micro_batch_size=48"], "not a multiple of micro_batch_size × DP size"),
         (["rollout_num_gpus=4"], "make them equal or set colocate=false"),
         (["use_critic=true"], "use_critic is not supported"),
+        (["rollout_temperature=0"], "rollout_temperature=0.0 is greedy decoding"),
+        (["rollout_temperature=0.000001"], "set rollout_temperature > 0 (data.eval_temperature=0"),
         (["bogus_field=1"], "bogus_field: Extra inputs are not permitted"),
         (["rollout_batch_size=0"], "rollout_batch_size"),
         (["router.policy=random"], "router.policy"),
@@ -57,6 +59,11 @@ def test_impossible_configs_are_refused(overrides: list[str], fragment: str) -> 
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
     assert fragment in str(info.value)
+
+
+def test_greedy_is_for_evaluation_only() -> None:
+    cfg = load_config(overrides=["rollout_temperature=0.7", "data.eval_temperature=0"])
+    assert (cfg.rollout_temperature, cfg.data.eval_temperature) == (0.7, 0.0)
 
 
 def test_sources_precedence(tmp_path: Path) -> None:

@@ -8,6 +8,13 @@ training, each chunk runs under activation checkpointing, so backward recomputes
 instead of keeping every chunk's alive. Under TP each rank holds a vocabulary slice: the max, the
 normaliser and the target logit are combined with all-reduces that pass gradients straight
 through (the loss is replicated on every TP rank).
+
+The distribution is the one the engines sample from: logits divided by the rollout temperature
+(as slime does), so the PPO ratio and the train/inference mismatch compare like with like — the
+engines report log-probs of the same tempered distribution (vLLM's ``processed_logprobs``). The
+division happens on the fp32 chunk, inside the checkpointed function, so it costs no memory.
+Top-k / top-p are not applied here (nor in slime): with them on, the engines' log-probs are of the
+truncated distribution, and the mismatch metric shows the renormalisation.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from torch.utils.checkpoint import checkpoint
 
 
 def token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(target), entropy) per row of vocab-parallel ``logits [n, vocab/tp]``; fp32."""
+    """(log p(target), entropy) per row of vocab-parallel ``logits [n, vocab/tp]`` / ``temperature``; fp32."""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     tp_group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
     local_max = logits.detach().max(dim=-1).values
@@ -54,18 +63,22 @@ def response_log_probs(
     targets: torch.Tensor,
     chunk_size: int,
     with_entropy: bool = False,
+    *,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies ``[R]`` of the response tokens of a micro-batch.
+    """Log-probs and entropies ``[R]`` of the response tokens of a micro-batch, at ``temperature``.
 
     ``hidden`` is the last stage's ``[s, b, h]``; ``index`` holds, for each response token, the flat
     ``position·b + row`` of the hidden state that predicts it, and ``targets`` the token ids.
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: log-probs of logits / T need T > 0 (T = 0 is greedy)")
     flat = hidden.reshape(-1, hidden.shape[-1])
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = output_logits(h.unsqueeze(1)).squeeze(1)
-        return token_stats(logits, t, with_entropy)
+        return token_stats(logits, t, with_entropy, temperature)
 
     log_probs, entropies = [], []
     for start in range(0, index.numel(), chunk_size):

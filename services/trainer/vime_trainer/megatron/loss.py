@@ -6,6 +6,10 @@ gives the mean over the global batch. Megatron's schedule divides every micro-ba
 number of micro-batches and DDP averages gradients over DP ranks; the returned loss is multiplied
 by both to cancel that. Metrics are detached sums that add up (over micro-batches and DP ranks)
 to global-batch means; ``*_sum`` / ``*_count`` pairs become token means at the end of the step.
+
+Policy log-probs (current, old, reference) and the entropy are those of logits / the rollout
+temperature, the distribution the engines sampled from. The supervised warm-up's cross-entropy is
+at temperature 1: it fits the model itself to the labels, not its sampling distribution.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class LossSettings:
     num_microbatches: int
     dp_size: int
     chunk_size: int
+    temperature: float
+    """The rollout temperature (> 0): log-probs are of logits / temperature."""
 
     @property
     def schedule_scale(self) -> float:
@@ -89,7 +95,13 @@ def policy_loss(
     recomputed pre-update log-probs) or, when none were recomputed, with the current ones.
     """
     log_probs, entropy = response_log_probs(
-        output_logits, hidden, mb.index, mb.targets, settings.chunk_size, with_entropy=True
+        output_logits,
+        hidden,
+        mb.index,
+        mb.targets,
+        settings.chunk_size,
+        with_entropy=True,
+        temperature=settings.temperature,
     )
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     ppo_kl = old - log_probs
@@ -125,7 +137,9 @@ def sft_loss(
     settings: LossSettings,
 ) -> tuple[torch.Tensor, Metrics]:
     """Cross-entropy on the response (label) tokens: the supervised warm-up before RL."""
-    log_probs, _ = response_log_probs(output_logits, hidden, mb.index, mb.targets, settings.chunk_size)
+    log_probs, _ = response_log_probs(
+        output_logits, hidden, mb.index, mb.targets, settings.chunk_size, temperature=1.0
+    )
     loss = _aggregate(mb, settings)(-log_probs)
     return loss * settings.schedule_scale, {"loss": loss.detach(), "tokens": mb.loss_mask.sum().detach()}
 
@@ -135,7 +149,10 @@ def forward_log_probs(
     hidden: torch.Tensor,
     mb: MicroBatch,
     chunk_size: int,
+    temperature: float,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """No-grad log-probs of one micro-batch (old or reference log-probs), returned as data."""
-    log_probs, _ = response_log_probs(output_logits, hidden, mb.index, mb.targets, chunk_size)
+    """No-grad log-probs of one micro-batch (old or reference log-probs) at ``temperature``, as data."""
+    log_probs, _ = response_log_probs(
+        output_logits, hidden, mb.index, mb.targets, chunk_size, temperature=temperature
+    )
     return hidden.new_zeros(()), {"log_probs": log_probs.detach()}

@@ -59,13 +59,17 @@ class TrainStep:
             num_microbatches=num_microbatches,
             dp_size=self.dp_size,
             chunk_size=c.trainer.logprob_chunk_size,
+            temperature=c.rollout_temperature,
         )
 
     def log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """No-grad log-probs of every micro-batch with the current weights (last stage; [] elsewhere)."""
-        chunk = self.config.trainer.logprob_chunk_size
+        chunk, temperature = self.config.trainer.logprob_chunk_size, self.config.rollout_temperature
         outputs = self.passes.forward_only(
-            mbs, lambda k, mb, hidden: forward_log_probs(self.passes.model.output_logits, hidden, mb, chunk)
+            mbs,
+            lambda k, mb, hidden: forward_log_probs(
+                self.passes.model.output_logits, hidden, mb, chunk, temperature
+            ),
         )
         return [o["log_probs"] for o in outputs]
 
