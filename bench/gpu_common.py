@@ -5,7 +5,9 @@
   and a peaked output layer (`vime.models.tiny`), bf16 on the GPU;
 - `start_engine` / `wait_engine`: one engine started with the rollout manager's own command builder
   (seed step 2), i.e. exactly the ``vllm serve`` line production runs;
-- `train_steps`: timed GRPO steps on started trainer ranks, with MFU;
+- `bench_batch` / `split_batch` / `timed_steps` / `train_flops`: a random training batch, its DP
+  split, timed GRPO steps on started trainer ranks, and their FLOPs (`train_step.py` uses them too);
+- `train_steps`: all of that at once, with MFU;
 - `manager_payloads` / `direct_round`: the rollout manager's own generate requests, sent straight
   to the engines (the "direct" side of a rollout comparison; `rollout_overhead.py` uses them too);
 - `write_prompts`: prompt files.
@@ -70,17 +72,17 @@ def wait_engine(child: procs.Child, url: str, timeout_s: float = 600.0) -> None:
         raise
 
 
-def train_batches(args: argparse.Namespace, cfg: RunConfig, vocab: int) -> list[Any]:
-    """``args.train_samples`` random samples (fixed prompt/response lengths, ±0.9354 advantages) per DP rank."""
+def bench_batch(samples: int, prompt_len: int, response_len: int, vocab: int) -> Any:
+    """A `RolloutBatch` of ``samples`` random samples of fixed prompt/response lengths (groups of 8,
+    rewards alternating 0/1, the seed's ±0.9354 advantages)."""
     import numpy as np
 
-    from vime.algorithms import build_dp_schedule
-    from vime.batch import RolloutBatch, split_by_dp
+    from vime.batch import RolloutBatch
     from vime.types import Sample, SampleStatus
 
     rng = np.random.default_rng(0)
-    n, p, r = args.train_samples, args.prompt_len, args.response_len
-    samples = [
+    p, r = prompt_len, response_len
+    rows = [
         Sample(
             tokens=rng.integers(3, vocab, size=p + r).tolist(),
             response_length=r,
@@ -90,19 +92,44 @@ def train_batches(args: argparse.Namespace, cfg: RunConfig, vocab: int) -> list[
             index=i,
             group_index=i // 8,
         )
-        for i in range(n)
+        for i in range(samples)
     ]
-    adv = [0.9354 if i % 2 else -0.9354 for i in range(n)]
-    batch = RolloutBatch.from_samples(
-        samples, batch_id="bench", run_id="bench", rollout_id=0, weight_version=1, advantages=adv
+    adv = [0.9354 if i % 2 else -0.9354 for i in range(samples)]
+    return RolloutBatch.from_samples(
+        rows, batch_id="bench", run_id="bench", rollout_id=0, weight_version=1, advantages=adv
     )
+
+
+def split_batch(cfg: RunConfig, batch: Any) -> list[Any]:
+    """The batch's share per DP rank, as the rollout manager splits it (seed step 31)."""
+    from vime.algorithms import build_dp_schedule
+    from vime.batch import split_by_dp
+
     lengths = batch.total_lengths().tolist()
-    schedule = build_dp_schedule(lengths, cfg.global_batch_size or n, cfg.micro_batch_size, cfg.dp_size)
-    return split_by_dp(batch, schedule)
+    gbs = cfg.global_batch_size or batch.num_samples
+    return split_by_dp(batch, build_dp_schedule(lengths, gbs, cfg.micro_batch_size, cfg.dp_size))
+
+
+def train_batches(args: argparse.Namespace, cfg: RunConfig, vocab: int) -> list[Any]:
+    """``args.train_samples`` random samples (`bench_batch`) per DP rank."""
+    return split_batch(cfg, bench_batch(args.train_samples, args.prompt_len, args.response_len, vocab))
+
+
+def timed_steps(group: Any, rbs: list[Any], steps: int) -> tuple[list[float], dict[str, Any]]:
+    """``steps`` GRPO steps, one more first (the warm-up), on started ranks: the seconds of each
+    (warm-up included) and the last step's metrics."""
+    times, metrics = [], {}
+    for step in range(steps + 1):
+        for rb in rbs:
+            rb.rollout_id = step
+        t0 = time.perf_counter()
+        metrics = group.train(step, rbs)[0]
+        times.append(time.perf_counter() - t0)
+    return times, metrics
 
 
 def train_flops(shape: TinyShape, tokens: int, seq: int) -> float:
-    """6·N per token plus attention (6·L·heads·head_dim·seq per token), as bench/train_step.py counts."""
+    """Training FLOPs: 6·N per token plus causal attention (6·L·heads·head_dim·seq per token)."""
     attn = 6 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * seq
     return float(6 * num_parameters(shape) * tokens + attn * tokens)
 
@@ -112,13 +139,7 @@ def train_steps(group: Any, args: argparse.Namespace, shape: TinyShape, on_gpu: 
     rbs = train_batches(args, group.config, shape.vocab_size)
     seq = args.prompt_len + args.response_len
     tokens = args.train_samples * seq
-    times, metrics = [], {}
-    for step in range(args.train_steps + 1):
-        for rb in rbs:
-            rb.rollout_id = step
-        t0 = time.perf_counter()
-        metrics = group.train(step, rbs)[0]
-        times.append(time.perf_counter() - t0)
+    times, metrics = timed_steps(group, rbs, args.train_steps)
     step_s = statistics.median(times[1:] or times)  # one step only: it includes the warm-up
     mfu = train_flops(shape, tokens, seq) / step_s / (args.peak_tflops * 1e12) if on_gpu else None
     shown = "n/a (CPU)" if mfu is None else f"{mfu:.1%}"

@@ -27,46 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from gpu_common import bench_batch, split_batch, timed_steps, train_flops
 from rich.console import Console
 from rich.table import Table
 
-from vime.algorithms import build_dp_schedule
-from vime.batch import RankBatch, RolloutBatch, split_by_dp
+from vime.batch import RankBatch, RolloutBatch
 from vime.config import RunConfig, load_config
-from vime.models.tiny import SHAPES, TinyShape, build_tiny_qwen3, num_parameters
-from vime.types import Sample, SampleStatus
+from vime.models.tiny import QWEN3_SHAPES, SHAPES, TinyShape, build_tiny_qwen3, num_parameters
 
 console = Console()
-QWEN3 = {  # hidden, layers, heads, kv heads, head_dim, ffn, vocab
-    "0.6b": TinyShape(1024, 28, 16, 8, 128, 3072, 151936, 40960),
-    "1.7b": TinyShape(2048, 28, 16, 8, 128, 6144, 151936, 40960),
-    "4b": TinyShape(2560, 36, 32, 8, 128, 9728, 151936, 40960),
-}
-
-
-def make_batch(args: argparse.Namespace, vocab: int) -> RolloutBatch:
-    """``--samples`` samples of fixed prompt/response lengths with the seed's ±0.9354 advantages."""
-    rng = np.random.default_rng(0)
-    samples = []
-    for i in range(args.samples):
-        tokens = rng.integers(3, vocab, size=args.prompt_len + args.response_len).tolist()
-        samples.append(
-            Sample(
-                tokens=tokens,
-                response_length=args.response_len,
-                loss_mask=[1] * args.response_len,
-                reward=float(i % 2),
-                status=SampleStatus.COMPLETED,
-                index=i,
-                group_index=i // 8,
-            )
-        )
-    adv = [0.9354 if i % 2 else -0.9354 for i in range(args.samples)]
-    return RolloutBatch.from_samples(
-        samples, batch_id="bench", run_id="bench", rollout_id=0, weight_version=1, advantages=adv
-    )
+QWEN3 = {name.removeprefix("qwen3-"): shape for name, shape in QWEN3_SHAPES.items()}
+"""Real Qwen3 shapes (random weights) by size: ``--shape 0.6b``."""
 
 
 def config(args: argparse.Namespace, work: Path) -> RunConfig:
@@ -86,12 +58,6 @@ def config(args: argparse.Namespace, work: Path) -> RunConfig:
         "trainer": {"lr": 1e-6, "checkpoint_dir": str(work / "ckpt"), "bf16": args.gpus > 0},
     }
     return load_config(base=base, environ={})
-
-
-def model_flops(shape: TinyShape, tokens: int, seq: int) -> float:
-    """Training FLOPs: 6·N per token plus causal attention (6·L·heads·head_dim·seq per token)."""
-    attn = 6 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * seq
-    return float(6 * num_parameters(shape) * tokens + attn * tokens)
 
 
 def hf_baseline(path: Path, batch: RolloutBatch, args: argparse.Namespace) -> dict[str, Any]:
@@ -146,13 +112,7 @@ def vime_side(path: Path, cfg: RunConfig, rbs: list[RankBatch], args: argparse.N
     group.start()
     started = time.perf_counter() - t0
     try:
-        times, metrics = [], {}
-        for rollout in range(args.steps + 1):
-            for rb in rbs:
-                rb.rollout_id = rollout
-            t0 = time.perf_counter()
-            metrics = group.train(rollout, rbs)[0]
-            times.append(time.perf_counter() - t0)
+        times, metrics = timed_steps(group, rbs, args.steps)
         awake = group.call("memory_stats")[0]
         t0 = time.perf_counter()
         group.sleep()
@@ -201,11 +161,8 @@ def main() -> None:
             dtype="bfloat16" if args.gpus else "float32",
         )
         cfg = config(args, work)
-        batch = make_batch(args, shape.vocab_size)
-        sched = build_dp_schedule(
-            batch.total_lengths().tolist(), cfg.global_batch_size or 0, cfg.micro_batch_size, cfg.dp_size
-        )
-        rbs = split_by_dp(batch, sched)
+        batch = bench_batch(args.samples, args.prompt_len, args.response_len, shape.vocab_size)
+        rbs = split_batch(cfg, batch)
         baseline = None if args.skip_baseline else hf_baseline(path, batch, args)
         vime = vime_side(path, cfg, rbs, args)
     report(args, shape, baseline, vime)
@@ -215,7 +172,7 @@ def report(
     args: argparse.Namespace, shape: TinyShape, baseline: dict[str, Any] | None, vime: dict[str, Any]
 ) -> None:
     tokens = args.samples * (args.prompt_len + args.response_len)
-    flops = model_flops(shape, tokens, args.prompt_len + args.response_len)
+    flops = train_flops(shape, tokens, args.prompt_len + args.response_len)
     devices = max(args.gpus, 1)
     peak = args.peak_tflops * 1e12 * devices if args.gpus else float("nan")
     rows = {"vime (Megatron)": vime["step_s"]}
