@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer_fakes import FakeBackend, FakeBatches, FakeEngines, FakeRollout, FakeTransport
+from engine_fakes import FakeEngines, FakeTransport
+from trainer_fakes import FakeBackend, FakeBatches, FakeRollout
 from vime_trainer.runs import RunHandle
 from vime_trainer.weight_sync import WeightSync
 

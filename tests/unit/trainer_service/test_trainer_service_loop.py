@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from trainer_fakes import FakeBackend, FakeBatches, FakeEngines, FakeRollout, FakeTransport
+from engine_fakes import FakeEngines, FakeTransport
+from trainer_fakes import FakeBackend, FakeBatches, FakeRollout
 from vime_trainer.controller import Controller
 from vime_trainer.events import EventLog
 from vime_trainer.ops import RunError, RunOps

@@ -5,7 +5,7 @@ left behind when a bucket fails."""
 from __future__ import annotations
 
 import pytest
-from trainer_fakes import FakeEngines, FakeTransport, engine_info
+from engine_fakes import FakeEngines, FakeTransport, engine_info
 from vime_trainer.weight_sync import WeightSync, WeightSyncError
 
 
