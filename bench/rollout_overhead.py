@@ -127,6 +127,39 @@ async def measure(
     return rows
 
 
+def report(args: argparse.Namespace, rows: list[dict[str, float]]) -> None:
+    """Each round's throughputs and ratios, then the median ratios against the goal."""
+    what = (
+        f"fake engines ({args.delay_s} s/request)"
+        if args.engine == "fake"
+        else f"reference engines ({args.size})"
+    )
+    table = Table(title=f"rollout overhead: {args.engines} {what}, {args.prompts}×{args.n} samples")
+    cols = (
+        "round",
+        "direct tok/s",
+        "router only tok/s",
+        "manager tok/s",
+        "ratio (generation)",
+        "ratio (end to end)",
+    )
+    for col in cols:
+        table.add_column(col, justify="right")
+    for i, r in enumerate(rows):
+        table.add_row(
+            str(i),
+            f"{r['direct_tps']:.0f}",
+            f"{r['router_tps']:.0f}",
+            f"{r['manager_tps']:.0f}",
+            f"{r['manager_tps'] / r['direct_tps']:.3f}",
+            f"{r['manager_e2e_tps'] / r['direct_tps']:.3f}",
+        )
+    console.print(table)
+    gen = statistics.median(r["manager_tps"] / r["direct_tps"] for r in rows)
+    e2e = statistics.median(r["manager_e2e_tps"] / r["direct_tps"] for r in rows)
+    console.print(f"median ratio manager/direct: generation {gen:.3f}, end to end {e2e:.3f} (goal >= 0.97)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["fake", "reference"], default="fake")
@@ -166,35 +199,7 @@ def main() -> int:
         for child in reversed(children):
             child.stop()
         redis.stop()
-    what = (
-        f"fake engines ({args.delay_s} s/request)"
-        if args.engine == "fake"
-        else f"reference engines ({args.size})"
-    )
-    table = Table(title=f"rollout overhead: {args.engines} {what}, {args.prompts}×{args.n} samples")
-    cols = (
-        "round",
-        "direct tok/s",
-        "router only tok/s",
-        "manager tok/s",
-        "ratio (generation)",
-        "ratio (end to end)",
-    )
-    for col in cols:
-        table.add_column(col, justify="right")
-    for i, r in enumerate(rows):
-        table.add_row(
-            str(i),
-            f"{r['direct_tps']:.0f}",
-            f"{r['router_tps']:.0f}",
-            f"{r['manager_tps']:.0f}",
-            f"{r['manager_tps'] / r['direct_tps']:.3f}",
-            f"{r['manager_e2e_tps'] / r['direct_tps']:.3f}",
-        )
-    console.print(table)
-    gen = statistics.median(r["manager_tps"] / r["direct_tps"] for r in rows)
-    e2e = statistics.median(r["manager_e2e_tps"] / r["direct_tps"] for r in rows)
-    console.print(f"median ratio manager/direct: generation {gen:.3f}, end to end {e2e:.3f} (goal >= 0.97)")
+    report(args, rows)
     return 0
 
 
