@@ -4,7 +4,7 @@ By default the engine is the CPU reference engine, started as a real process on 
 the tiny kit model (built under the pytest temp dir, or under ``VIME_TEST_MODEL_CACHE``). To run
 the same suite against an engine that is already running — e.g. real ``vllm serve`` on the GPU
 machine, started with ``VLLM_SERVER_DEV_MODE=1 --enable-sleep-mode --weight-transfer-config
-'{"backend": "ipc"}'`` — set:
+'{"backend": "ipc"}' --logprobs-mode processed_logprobs`` (as the rollout manager starts it) — set:
 
 - ``VIME_CONTRACT_ENGINE_URL``: its base URL;
 - ``VIME_CONTRACT_MODEL_DIR``: the Hugging Face directory it serves (the tests load it with
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 from contract_pushers import WeightPusher, make_pusher
-from contract_support import EngineUnderTest, HFReference, profile_for
+from contract_support import EngineUnderTest, HFReference, logprobs_mode_of, profile_for
 
 from vime.clients.engine import EngineClient
 from vime.wire.engine import EngineInfo
@@ -40,7 +40,7 @@ def _describe(url: str, model_dir: Path) -> EngineUnderTest:
     with httpx.Client(timeout=30) as c:
         info = EngineInfo.from_body(c.get(url + "/version").json())
         served = c.get(url + "/v1/models").json()["data"][0]["id"]
-    return EngineUnderTest(url, model_dir, served, info, profile_for(info))
+    return EngineUnderTest(url, model_dir, served, info, profile_for(info), logprobs_mode_of(url))
 
 
 def _start_reference_engine(tmp: pytest.TempPathFactory) -> Iterator[EngineUnderTest]:
@@ -54,6 +54,7 @@ def _start_reference_engine(tmp: pytest.TempPathFactory) -> Iterator[EngineUnder
         "vime_rollout.reference_engine",
         *("--model", str(model_dir), "--port", str(port), "--served-model-name", "tiny-micro"),
         *("--max-batch", "256", "--seed", "0"),
+        *("--logprobs-mode", "processed_logprobs"),  # as the rollout manager starts its engines
     )
     child = procs.start("reference-engine", argv, log_path=tmp.mktemp("logs") / "reference-engine.log")
     url = f"http://127.0.0.1:{port}"

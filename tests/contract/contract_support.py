@@ -19,12 +19,16 @@ penalties, logit_bias, ...      400 unless default     supported: n/t   supporte
 weight transport                shm safetensors files  CUDA IPC         CUDA IPC  (pusher seam)
 memory check                    /debug/memory (RSS)    nvidia-smi       nvidia-smi
 log-prob tolerance vs HF fp32   1e-3                   0.15 (bf16)      0.15 (bf16)
+--logprobs-mode                 processed_logprobs     /server_info     /server_info
 same tokens whatever the batch  exact                  not asserted     not asserted
 /metrics in-flight gauges       exact values           present: n/t     present: n/t
 ==============================  =====================  ===============  ============================
 
 "n/t": not tested against that engine (the reference-engine side is). Everything else in the
-suite is the same assertion for every engine.
+suite is the same assertion for every engine. What a reported log-prob means is the engine's
+``--logprobs-mode`` (read from vLLM's dev-mode ``GET /server_info?config_format=json``, or
+``VIME_CONTRACT_LOGPROBS_MODE``): the suite's reference engine runs ``processed_logprobs``, as the
+rollout manager launches every engine, and the log-prob tests check whichever mode is reported.
 """
 
 from __future__ import annotations
@@ -88,6 +92,22 @@ class EngineUnderTest:
     served_name: str
     info: EngineInfo
     profile: EngineProfile
+    logprobs_mode: str = "raw_logprobs"
+    """What its log-probs are: ``raw_logprobs`` (before temperature) or ``processed_logprobs``."""
+
+
+def logprobs_mode_of(url: str) -> str:
+    """The engine's ``--logprobs-mode``: VIME_CONTRACT_LOGPROBS_MODE, else vLLM's dev-mode
+    ``/server_info`` (the reference engine serves it too), else vLLM's default ``raw_logprobs``."""
+    override = os.environ.get("VIME_CONTRACT_LOGPROBS_MODE")
+    if override:
+        return override
+    with httpx.Client(timeout=120) as c:  # vLLM collects its environment report for this route
+        r = c.get(url + "/server_info", params={"config_format": "json"})
+    if r.status_code == 404:
+        return "raw_logprobs"
+    r.raise_for_status()
+    return str(r.json()["vllm_config"]["model_config"]["logprobs_mode"])
 
 
 class HFReference:
@@ -100,14 +120,18 @@ class HFReference:
         self.original = {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     @torch.inference_mode()
-    def logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        """``[len(tokens), vocab]`` log-softmax at each generated position (teacher forcing)."""
+    def logprobs(
+        self, prompt: Sequence[int], tokens: Sequence[int], temperature: float = 1.0
+    ) -> torch.Tensor:
+        """``[len(tokens), vocab]`` log-softmax of logits / T at each generated position (teacher forcing)."""
         ids = torch.tensor([list(prompt) + list(tokens)])
         logits = self.model(ids).logits[0].float()
-        return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
+        return (logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)] / temperature).log_softmax(-1)
 
-    def token_logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
-        lp = self.logprobs(prompt, tokens)
+    def token_logprobs(
+        self, prompt: Sequence[int], tokens: Sequence[int], temperature: float = 1.0
+    ) -> list[float]:
+        lp = self.logprobs(prompt, tokens, temperature)
         return [float(lp[i, t]) for i, t in enumerate(tokens)]
 
     @torch.inference_mode()

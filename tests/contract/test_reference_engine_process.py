@@ -42,6 +42,7 @@ def test_help_says_it_is_the_cpu_stand_in_for_vllm(reference_only: EngineUnderTe
         "--max-batch",
         "--max-model-len",
         "--seed",
+        "--logprobs-mode",
     ):
         assert flag in out.stdout
 
@@ -59,6 +60,13 @@ def test_a_budget_too_small_for_one_sequence_is_refused_at_start(reference_only:
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--kv-cache-memory-bytes" in out.stderr and "max_model_len" in out.stderr
+
+
+def test_an_unknown_logprobs_mode_is_refused_at_start(reference_only: EngineUnderTest) -> None:
+    """vLLM's four modes: the reference engine serves the two log-prob ones, and says so."""
+    argv = [sys.executable, "-m", MODULE, "--model", str(reference_only.model_dir), "--logprobs-mode"]
+    out = subprocess.run([*argv, "raw_logits"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--logprobs-mode" in out.stderr and "processed_logprobs" in out.stderr
 
 
 @pytest.fixture

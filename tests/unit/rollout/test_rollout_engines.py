@@ -47,6 +47,7 @@ def test_seed_step_2_vllm_command() -> None:
     assert opt("--seed") == "42"
     assert json.loads(opt("--weight-transfer-config")) == {"backend": "ipc"}
     assert "--enable-sleep-mode" in argv and "--enforce-eager" not in argv
+    assert opt("--logprobs-mode") == "processed_logprobs"  # log-probs after temperature, as the trainer's
     assert cmd.env["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert cmd.env["VLLM_SERVER_DEV_MODE"] == "1" and cmd.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     assert cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
@@ -86,6 +87,7 @@ def test_auto_backend_on_a_cpu_host_is_the_reference_engine() -> None:
     assert argv[1:3] == ["-m", "vime_rollout.reference_engine"]
     assert argv[argv.index("--port") + 1] == "18101" and argv[argv.index("--max-model-len") + 1] == "4096"
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(4 << 30)  # the engine's own default
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # the same flag as vLLM
     small = cfg.model_copy(
         update={"engine": cfg.engine.model_copy(update={"reference_kv_cache_bytes": 1 << 28})}
     )

@@ -3,7 +3,8 @@
 Real vLLM: ``--enable-sleep-mode`` when engines are offloaded during training,
 ``--max-model-len = rollout_max_context_len``, ``--weight-transfer-config '{"backend":"ipc"}'``
 when colocated, the engine's tensor-parallel size and GPU ids, and the dev-mode switches its
-control routes need. The form that ran on vLLM 0.26 (notes/vllm_device.md) is
+control routes need; every engine, vLLM or reference, ``--logprobs-mode processed_logprobs``.
+The form that ran on vLLM 0.26 (notes/vllm_device.md) is
 ``python3 -m vllm.entrypoints.cli.main serve`` with ``VLLM_USE_FLASHINFER_SAMPLER=0``.
 """
 
@@ -16,6 +17,10 @@ from dataclasses import dataclass, field
 
 from vime.config import RunConfig
 from vime_rollout.engines.spec import EngineSpec
+
+LOGPROBS_MODE = "processed_logprobs"
+"""Engines report log-probs of the distribution they sample from (logits / T, then top-k/top-p);
+the trainer's are of logits / T (without top-k/top-p, as slime)."""
 
 VLLM_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
@@ -42,7 +47,10 @@ def _vllm_version() -> tuple[int, ...] | None:
 
 
 def _serving_args(cfg: RunConfig, spec: EngineSpec, served_name: str) -> list[str]:
-    """What every engine (vLLM or reference) is told alike: its model name, address and context."""
+    """What every engine (vLLM or reference) is told alike: its model name, address and context, and
+    to report log-probs after temperature (``--logprobs-mode``, in vLLM 0.26's and 0.33's
+    ModelConfig): the default ``raw_logprobs`` are of the untempered logits, which the trainer does
+    not use."""
     return [
         "--served-model-name",
         served_name,
@@ -52,6 +60,8 @@ def _serving_args(cfg: RunConfig, spec: EngineSpec, served_name: str) -> list[st
         str(spec.port),
         "--max-model-len",
         str(cfg.rollout_max_context_len),
+        "--logprobs-mode",
+        LOGPROBS_MODE,
     ]
 
 

@@ -7,7 +7,8 @@ trainer and their tests run unchanged on machines without a GPU; on a GPU host t
 ``vllm serve`` is used instead, and ``tests/contract`` runs the same checks against both.
 
 What it does like vLLM: continuous batching (hundreds of requests in flight, one forward pass per
-step for all of them, with a KV cache), raw log-probs of the sampled tokens, sleep levels 1 and 2
+step for all of them, with a KV cache), log-probs of the sampled tokens raw or after temperature and
+top-k/top-p (``--logprobs-mode``, vLLM's flag and default), sleep levels 1 and 2
 that really free memory, requests held while asleep or paused, pause modes abort/wait/keep.
 What is its own: weights arrive as safetensors files (``{"backend": "shm", "path": ...}``), since
 CUDA IPC handles cannot be opened on a CPU. Start it with

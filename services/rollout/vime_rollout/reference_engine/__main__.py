@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import get_args
+
+from .sampler import LogprobsMode
 
 DESCRIPTION = (
     "vime reference engine: the CPU stand-in for vLLM. Serves vLLM 0.26's HTTP API "
@@ -42,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_bytes,
         default=4 << 30,
         help="most memory the KV cache may take (e.g. 4G); fewer sequences run at once above it",
+    )
+    p.add_argument(
+        "--logprobs-mode",
+        choices=get_args(LogprobsMode),
+        default="raw_logprobs",
+        help="what the reported log-probs are, as vLLM's flag: before temperature and top-k/top-p "
+        "(raw_logprobs, the default) or of the distribution sampled from (processed_logprobs)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="warning")
@@ -86,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             prefill_token_budget=args.prefill_token_budget,
             kv_cache_bytes=args.kv_cache_memory_bytes,
             decode_text=tokenizer.decode,
+            logprobs_mode=args.logprobs_mode,
         )
 
     run(build_app(core, served), args.host, args.port, args.log_level)

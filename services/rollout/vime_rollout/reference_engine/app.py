@@ -2,7 +2,8 @@
 
 Same paths, query parameters and bodies as ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``: the
 token-in/token-out generate route, ``/health`` (200, empty), ``/v1/models``, ``/metrics`` (the vLLM
-gauges the router reads), and (in `control_routes`) sleep/wake, pause/resume and weight updates. ``GET /version`` reports the
+gauges the router reads), ``/server_info`` (the model settings, ``logprobs_mode`` among them), and
+(in `control_routes`) sleep/wake, pause/resume and weight updates. ``GET /version`` reports the
 vLLM API version emulated plus ``"engine": "vime-reference"``, so that a client can tell the
 stand-in from the real thing. Errors use vLLM's shape (`errors`).
 """
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -130,6 +131,19 @@ def build_app(core_factory: Any, served: ServedModel) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return models_response(served.name, served.root, served.max_model_len, served.created)
+
+    @app.get("/server_info")
+    async def server_info(raw: Request, config_format: Literal["text", "json"] = "text") -> dict[str, Any]:
+        """vLLM's dev-mode ``/server_info``, reduced to the model settings this engine has."""
+        model = {
+            "model": served.root,
+            "served_model_name": served.name,
+            "max_model_len": served.max_model_len,
+            "logprobs_mode": core_of(raw).logprobs_mode,
+        }
+        text = ", ".join(f"{k}={v}" for k, v in model.items())
+        config = {"model_config": model} if config_format == "json" else text
+        return {"vllm_config": config, "vllm_env": {}, "system_env": {"engine": ENGINE_NAME}}
 
     add_control_routes(app)
     add_metrics_route(app, served.name)

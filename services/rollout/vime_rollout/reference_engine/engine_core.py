@@ -31,7 +31,7 @@ import torch
 
 from .errors import EngineError
 from .model_runner import ModelRunner
-from .sampler import RowResult, RowSpec, sample
+from .sampler import LogprobsMode, RowResult, RowSpec, sample
 from .sequence import Decoder, Request, Sequence
 from .weights import BucketError, bucket_path, read_shapes, read_tensors
 
@@ -65,8 +65,10 @@ class EngineCore:
         prefill_token_budget: int = 8192,
         kv_cache_bytes: int | None = None,
         decode_text: Decoder | None = None,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
     ) -> None:
         self.runner = runner
+        self.logprobs_mode: LogprobsMode = logprobs_mode
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
         self.kv_cache_bytes = kv_cache_bytes
@@ -196,6 +198,10 @@ class EngineCore:
         self.generated_tokens += len(results)
         self._retire_finished()
 
+    @property
+    def _processed(self) -> bool:
+        return self.logprobs_mode == "processed_logprobs"
+
     def _compute(self, step: Step, row0: int, specs: list[RowSpec]) -> list[RowResult]:
         """Runs in a worker thread while the lock is held: one decode pass, one prefill pass."""
         out: list[RowResult] = []
@@ -204,10 +210,10 @@ class EngineCore:
             logits = self.runner.forward(
                 0, [[s.tokens[-1]] for s in step.decode], [s.computed for s in step.decode]
             )
-            out += sample(logits, specs[:n], self._shared)
+            out += sample(logits, specs[:n], self._shared, self._processed)
         if step.prefill:
             logits = self.runner.forward(row0, [s.tokens for s in step.prefill], [0] * len(step.prefill))
-            out += sample(logits, specs[n:], self._shared)
+            out += sample(logits, specs[n:], self._shared, self._processed)
         return out
 
     def _retire_finished(self) -> None:

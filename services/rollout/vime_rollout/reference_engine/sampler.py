@@ -1,8 +1,13 @@
 """Batched sampling with vLLM's semantics: raw log-probs, then temperature, top-k, top-p, min-p.
 
-The log-prob reported for a token is vLLM's default ``raw_logprobs``: log-softmax of the model's
-logits before temperature, top-k/top-p/min-p or min-tokens masking — the number the trainer
-compares its own log-probs with. Sampling draws one exponential variate per vocabulary entry and
+The log-probs reported follow vLLM's ``--logprobs-mode`` (a server-wide setting, vLLM 0.26's
+``Sampler``): ``raw_logprobs`` (vLLM's default) is the log-softmax of the model's logits before
+min-tokens masking, temperature, top-k/top-p/min-p; ``processed_logprobs`` is the log-softmax of
+what is sampled from — masked logits / T with top-k/top-p/min-p applied (entries outside them are
+-inf, reported as the -9999 floor) — the distribution the trainer's log-probs (logits / T) are
+compared with. A greedy row's processed log-probs are of the masked logits at T = 1, as in vLLM's
+all-greedy path (vLLM gives a greedy row batched with sampled ones top-k/top-p at T = 1 as well;
+here a row's numbers never depend on its batch). Sampling draws one exponential variate per vocabulary entry and
 takes ``argmax(p / q)`` (vLLM's trick, equivalent to sampling from ``p``); a request with a seed
 draws its variates from its own generator, so its tokens do not depend on what else is batched.
 """
@@ -10,8 +15,12 @@ draws its variates from its own generator, so its tokens do not depend on what e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+"""vLLM's ``--logprobs-mode`` values the reference engine serves (the ``*_logits`` ones it does not)."""
 
 LOGPROB_FLOOR = -9999.0
 """vLLM clamps reported log-probs to this value (and writes it when a token has none)."""
@@ -70,37 +79,43 @@ def _noise(specs: list[RowSpec], vocab: int, shared: torch.Generator) -> torch.T
     return q
 
 
-def _top(raw: torch.Tensor, token: int, k: int, ranked: torch.Tensor) -> list[tuple[int, float]]:
+def _top(lp: torch.Tensor, token: int, k: int, ranked: torch.Tensor) -> list[tuple[int, float]]:
     """vLLM's per-position entries: the sampled token first, then the top ranks, max(k, 1) of them."""
-    entries = {token: float(raw[token])}
+    entries = {token: float(lp[token])}
     for t in ranked.tolist():
-        entries.setdefault(int(t), float(raw[t]))
+        entries.setdefault(int(t), float(lp[t]))
     return [(t, max(lp, LOGPROB_FLOOR)) for t, lp in list(entries.items())[: max(k, 1)]]
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, specs: list[RowSpec], shared: torch.Generator) -> list[RowResult]:
-    """One token per row of ``logits [B, V]`` with its raw log-prob and top entries."""
+def sample(
+    logits: torch.Tensor, specs: list[RowSpec], shared: torch.Generator, processed: bool = False
+) -> list[RowResult]:
+    """One token per row of ``logits [B, V]`` with its log-prob and top entries: raw, or after
+    masking, temperature and top-k/top-p/min-p when ``processed`` (vLLM's ``processed_logprobs``)."""
     logits = torch.nan_to_num(logits.float(), nan=0.0, posinf=1e4, neginf=-1e4)
-    raw = logits.log_softmax(dim=1)
     work = logits.clone()
     for i, s in enumerate(specs):
         if s.banned:
             work[i, list(s.banned)] = float("-inf")
     tokens = work.argmax(dim=1)
+    reported = (work if processed else logits).log_softmax(dim=1)
     sampled_rows = [i for i, s in enumerate(specs) if not s.greedy]
     if sampled_rows:
         sub = [specs[i] for i in sampled_rows]
-        probs = _filter(work[sampled_rows], sub).softmax(dim=1)
+        filtered = _filter(work[sampled_rows], sub)
+        probs = filtered.softmax(dim=1)
         q = _noise(sub, probs.shape[1], shared)
         tokens[sampled_rows] = (probs / q).argmax(dim=1)
+        if processed:
+            reported[sampled_rows] = filtered.log_softmax(dim=1)
     want = max((s.num_logprobs or 0) for s in specs)
-    ranked = raw.topk(min(want + 1, raw.shape[1]), dim=1).indices if want > 0 else None
+    ranked = reported.topk(min(want + 1, reported.shape[1]), dim=1).indices if want > 0 else None
     results = []
     for i, s in enumerate(specs):
         token = int(tokens[i])
         top = None
         if s.num_logprobs is not None:
-            top = _top(raw[i], token, s.num_logprobs, ranked[i] if ranked is not None else tokens[:0])
-        results.append(RowResult(token, max(float(raw[i, token]), LOGPROB_FLOOR), top))
+            top = _top(reported[i], token, s.num_logprobs, ranked[i] if ranked is not None else tokens[:0])
+        results.append(RowResult(token, max(float(reported[i, token]), LOGPROB_FLOOR), top))
     return results
