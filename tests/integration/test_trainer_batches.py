@@ -1,9 +1,11 @@
 """The trainer's `BatchReader` against a real Redis: it reads from the stream the rollout manager's
 reply names (warm-up batches on ``<run>:sft``, rollouts on ``<run>``), skips an earlier attempt
-left pending, and acks every rank's share."""
+left pending and, after a resume from an older checkpoint, the batches of later rollouts, and acks
+every rank's share."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -83,3 +85,48 @@ async def test_reads_each_batch_from_the_stream_its_reply_names(redis_url: str) 
         assert await pub.pending_count() == 0  # every rank acked the RL batch
     async with BatchPublisher(redis_url, sft_stream_run_id(run)) as pub:
         assert await pub.pending_count() == 0  # and the warm-up ones (the stale attempt skipped)
+
+
+async def _publish_rollout(redis_url: str, run: str, rollout_id: int, attempt: int) -> str:
+    batch_id = f"{run}:{rollout_id}:{attempt}"
+    groups = [_samples(4, 2)[:2], _samples(4, 2)[2:]]
+    built = build_batch(
+        _cfg(), groups, batch_id=batch_id, run_id=run, rollout_id=rollout_id, weight_version=1, dp_size=2
+    )
+    async with BatchPublisher(redis_url, run) as pub:
+        await pub.publish(built.batch, built.shares)
+    return batch_id
+
+
+async def test_batches_of_later_rollouts_are_stale_after_a_resume(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run trained up to rollout 2, crashed while rollout 2 trained (read, never acked) with
+    rollout 3 already published, and resumes from its checkpoint after rollout 0: rollout 1 is
+    generated again and must be what it trains on, the batches of 2 and 3 skipped for good."""
+    run = f"bt-{uuid.uuid4().hex[:8]}"
+    name = f"t-{run}"
+    crashed = BatchReader(redis_url, 2, name_prefix=name)
+    try:
+        in_flight = await _publish_rollout(redis_url, run, 2, 0)
+        assert [s.batch_id for s in await crashed.read(run, in_flight, 2, timeout_s=10)] == [in_flight] * 2
+    finally:
+        await crashed.aclose()  # no ack: the entries stay pending for these consumer names
+    unread = await _publish_rollout(redis_url, run, 3, 0)
+    again = await _publish_rollout(redis_url, run, 1, 1)  # the resumed run's rollout 1 (attempt 1)
+    resumed = BatchReader(redis_url, 2, name_prefix=name)
+    try:
+        with caplog.at_level(logging.INFO, logger="vime.trainer.batches"):
+            shares = await resumed.read(run, again, 1, timeout_s=10)
+        assert [(s.batch_id, s.rollout_id, s.dp_rank) for s in shares] == [(again, 1, 0), (again, 1, 1)]
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 2 and all("resumed at rollout 1" in m for m in warned)
+        assert in_flight in warned[0] and unread in warned[1]
+        await resumed.ack(again)
+        later = await _publish_rollout(redis_url, run, 2, 1)  # rollout 2 regenerated: a new batch id
+        assert [s.batch_id for s in await resumed.read(run, later, 2, timeout_s=10)] == [later] * 2
+        await resumed.ack(later)
+    finally:
+        await resumed.aclose()
+    async with BatchPublisher(redis_url, run) as pub:
+        assert await pub.pending_count() == 0  # the stale batches were acked, never left pending
