@@ -2,7 +2,8 @@
 
 ``python -m vime_trainer run``: one run in this process, no REST — the entry point for a GPU host
 where the rollout manager (with its vLLM engines), router, reward service and Redis are already
-up; prints the run's summary as JSON and exits 0 when the run finished or stopped.
+up; prints the run's summary as JSON and exits 0 when the run finished or stopped (SIGTERM or
+SIGINT cancels it: 128 + the signal). Either way no Ray process outlives this one (`ray_exit`).
 
 Defaults come from the run config's ``services`` section; ``--set key=value`` overrides any field.
 """
@@ -13,11 +14,13 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from vime.config import ConfigError, RunConfig, load_config
 from vime.service import configured_token, serve
+from vime_trainer.ray_exit import keep_signal_handlers, shutdown_ray
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,29 +47,32 @@ def backend_factory(cfg: RunConfig) -> object:
     return ActorGroup(cfg, str(policy_model_path(cfg)))
 
 
-def shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 async def run_once(args: argparse.Namespace) -> int:
+    """One run; SIGTERM or SIGINT cancels it (ranks stopped) and exits 128 + the signal."""
     from vime.wire.trainer import RunRequest, RunState
     from vime_trainer.runs import RunRegistry
 
     registry = RunRegistry(lambda extra: load_config(args.config, [*args.overrides, *extra]), backend_factory)  # type: ignore[arg-type]
-    handle = await registry.start(RunRequest(run_id=args.run_id))
+    signals: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.append, sig)
     try:
+        handle = await registry.start(RunRequest(run_id=args.run_id))
         assert handle.task is not None
-        await handle.task
+        while not handle.task.done() and not signals:
+            await asyncio.wait({handle.task}, timeout=0.2)
+        await registry.aclose()  # cancels the run if a signal came first; its clean-up stops the ranks
     finally:
         await asyncio.to_thread(shutdown_ray)
     print(json.dumps(handle.ctx.status.summary, indent=2))
+    if signals:
+        return 128 + signals[0]
     return 0 if handle.ctx.status.state in (RunState.FINISHED, RunState.STOPPED) else 1
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_signal_handlers()
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
