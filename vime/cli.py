@@ -115,8 +115,8 @@ def rollout(
         typer.Option(
             "--rollout-id",
             min=0,
-            help="Rollout number. The batch is published like a training one: a run started later on "
-            "this stack trains on it as its rollout 0, and fails on a higher id, so keep 0.",
+            help="Rollout number (it names the rollout manager's job). Nothing is published and the "
+            "prompts are given back, so a run started later on this stack is unaffected.",
         ),
     ] = 0,
     output: Annotated[Path | None, typer.Option("--out", "-o", help="Write all samples as JSONL.")] = None,
@@ -124,7 +124,7 @@ def rollout(
 ) -> None:
     """One rollout against a running `vime up`: metrics, then samples printed or saved as JSONL."""
     from vime.clients.base import ServiceCallError, ServiceUnreachable
-    from vime.launch.rollout import RolloutCommandError, decode_texts, one_rollout, write_jsonl
+    from vime.launch.rollout import RolloutCommandError, one_rollout, write_jsonl
 
     cfg = _client_config(config, set_)
     try:
@@ -132,9 +132,8 @@ def rollout(
     except (ServiceCallError, ServiceUnreachable, RolloutCommandError) as exc:
         err.print(f"[red]rollout failed: {escape(str(exc))}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
-    decode_texts(cfg, samples)
     metrics = "  ".join(f"{k.removeprefix('rollout/')}={v:.4g}" for k, v in sorted(job.metrics.items()))
-    err.print(f"rollout {job.rollout_id}: batch {job.batch_id}, {job.num_samples} samples\n{metrics}")
+    err.print(f"rollout {job.rollout_id}: {job.num_samples} samples (not published)\n{metrics}")
     if output is not None:
         write_jsonl(samples, output)
         err.print(f"samples written to {output}")

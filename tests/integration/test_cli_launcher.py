@@ -2,7 +2,7 @@
 Redis, router (vllm-router), reward, rollout manager with a CPU reference engine, trainer.
 
 What must hold: `up` starts everything and `status` sees it healthy; `rollout` returns the
-rollout's samples; Ctrl-C stops every process the stack started (engines, vllm-router and Ray
+rollout's samples and publishes nothing a later run could train on; Ctrl-C stops every process the stack started (engines, vllm-router and Ray
 workers are grandchildren) and frees every port; a child that dies takes the stack down with a
 non-zero exit and the child's log tail; a busy port is refused before anything starts; `train`
 runs to the end and leaves metrics.jsonl and report.png.
@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import redis
+import yaml
 from test_cli_support import (
     leftovers,
     parent_pid,
@@ -39,6 +42,7 @@ from test_cli_support import (
 
 from vime import procs
 from vime.launch.orphans import descendants
+from vime.queue import stream_key
 
 pytestmark = pytest.mark.slow
 
@@ -111,11 +115,21 @@ def test_status_sees_every_service_healthy(stack: Launched) -> None:
 
 
 def test_rollout_returns_scored_samples(stack: Launched, tmp_path: Path) -> None:
+    """The samples come back; nothing reaches the stack's Redis stream, the prompts are given back."""
+    resolved = yaml.safe_load(stack.resolved.read_text())
+    rollout_url = f"http://127.0.0.1:{resolved['services']['rollout_port']}"
+    state = httpx.get(rollout_url + "/v1/data-source/state", timeout=30).json()
     out = tmp_path / "samples.jsonl"
     proc = run_vime(
         "rollout", "-c", str(stack.resolved), "--rollout-id", "7", "--out", str(out), "--show", "3"
     )
     assert proc.returncode == 0, proc.stderr
+    r = redis.Redis.from_url(resolved["services"]["redis_url"])
+    try:
+        assert r.exists(stream_key(resolved["run_id"])) == 0  # a run started later finds no batch
+    finally:
+        r.close()
+    assert httpx.get(rollout_url + "/v1/data-source/state", timeout=30).json() == state
     samples = [json.loads(line) for line in out.read_text().splitlines()]
     n, prompts = stack.cfg["n_samples_per_prompt"], stack.cfg["rollout_batch_size"]
     assert len(samples) == n * prompts
@@ -127,7 +141,10 @@ def test_rollout_returns_scored_samples(stack: Launched, tmp_path: Path) -> None
         assert 0 < len(s["response_ids"]) <= stack.cfg["rollout_max_response_len"]
     assert sorted(len(g) for g in groups.values()) == [n] * prompts
     assert all(len({s["prompt"] for s in g}) == 1 for g in groups.values())  # a group shares its prompt
-    assert "rollout 7:" in proc.stderr and "reward_mean=" in proc.stderr
+    assert all(isinstance(s["advantage"], float) for s in samples)
+    assert (
+        f"rollout 7: {n * prompts} samples (not published)" in proc.stderr and "reward_mean=" in proc.stderr
+    )
     assert proc.stdout.count(" → ") == 3
 
 

@@ -5,7 +5,8 @@ The seed's rollout scaled down: 4 prompts × 8 samples, a dynamic filter that dr
 whose rewards are all equal (re-sampling until the batch is full), GRPO-normalised rewards, loss
 masks and a DP schedule read back from Redis as the trainer's ranks read them; an engine killed
 mid-rollout (the rollout still completes; the engine is restarted and waits for weights);
-offload/onload reaching every engine; bad input answered 4xx.
+offload/onload reaching every engine; bad input answered 4xx; a preview (``publish: false``)
+leaving the stream and the data source untouched.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from vime_rollout.rollout.state import logprobs_wanted
 
@@ -37,7 +39,7 @@ from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
 from vime.config import load_config
 from vime.models.tiny import build_tokenizer
-from vime.queue import BatchConsumer
+from vime.queue import BatchConsumer, stream_key
 
 pytestmark = pytest.mark.slow
 
@@ -387,3 +389,37 @@ def test_7_sft_warm_up_batches(stack: Stack, tmp_path: Path) -> None:
         label = "const" if i % 2 == 0 else "vary"
         assert tok.decode(r.tokens[r.prompt_length :].tolist()) == label + "<|endoftext|>"
         assert r.loss_mask.all() and r.advantage == 1.0 and r.reward == 1.0
+
+
+def test_8_a_preview_publishes_nothing(stack: Stack) -> None:
+    """``publish: false`` (what `vime rollout` sends): the samples come back in the reply, the run's
+    stream is untouched and the data source is where it was; the training rollout of the same id is
+    a separate job that does publish."""
+    stream = stream_key(stack.cfg["run_id"])
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            async with stack.client() as c:
+                state, length = await c.data_state(), await r.xlen(stream)
+                job = await c.rollout(9, publish=False)
+                assert job.preview and job.state == "done" and job.batch_id is None and job.samples
+                assert await r.xlen(stream) == length and await c.data_state() == state
+                assert job.num_samples == len(job.samples) == 32 and job.metrics["rollout/num_groups"] == 4
+                by_group: dict[int, list[Any]] = {}
+                for s in job.samples:
+                    by_group.setdefault(s.group_index or 0, []).append(s)
+                for g in by_group.values():
+                    rewards = [s.reward or 0.0 for s in g]
+                    assert len(g) == N and len(set(rewards)) > 1  # the filter ran as for training
+                    np.testing.assert_allclose(
+                        [s.advantage for s in g], normalize_group_rewards(rewards, N), atol=1e-5
+                    )
+                    assert len({s.prompt for s in g}) == 1 and all(s.response_ids for s in g)
+                train = await c.rollout(9)
+                assert train.job_id != job.job_id and not train.preview and train.batch_id
+                assert await r.xlen(stream) == length + 1
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())

@@ -30,16 +30,25 @@ class RolloutClient(ServiceClient):
         super().__init__(base_url, timeout=timeout, **kwargs)
 
     async def rollout(
-        self, rollout_id: int, *, evaluation: bool = False, wait: bool = True, dp_size: int | None = None
+        self,
+        rollout_id: int,
+        *,
+        evaluation: bool = False,
+        wait: bool = True,
+        dp_size: int | None = None,
+        publish: bool = True,
     ) -> RolloutJob:
         """Start rollout ``rollout_id``; with ``wait`` block until it is done (no read timeout).
 
         A retried call for a rollout that is running or done returns the same job, so a dropped
-        connection does not generate the rollout twice.
+        connection does not generate the rollout twice. ``publish=False``: the samples come back in
+        the job (``job.samples``), nothing is published for a trainer, and every call rolls out anew.
         """
         body: dict[str, Any] = {"rollout_id": rollout_id, "evaluation": evaluation, "wait": wait}
         if dp_size is not None:
             body["dp_size"] = dp_size
+        if not publish:
+            body["publish"] = False
         out = await self.request(
             "POST", "/v1/rollouts", json=body, timeout=None if wait else ..., expect=(200, 202)
         )

@@ -31,6 +31,27 @@ class RolloutRequest(_Request):
     """Block until done; false returns the job at once (202) to poll with GET /v1/rollouts/{job_id}."""
     dp_size: int | None = Field(None, ge=1)
     """The trainer's data-parallel size for the DP schedule; None uses the run config's."""
+    publish: bool = True
+    """False: a one-off look (``vime rollout``): the samples come back in the job, nothing goes to
+    Redis and the data source's position is restored, so no run ever trains on it; never answered
+    with (nor answering for) a training rollout's job. Ignored for evaluation (never published)."""
+
+
+class RolloutSample(BaseModel):
+    """One sample of an unpublished rollout, as ``vime rollout`` shows it."""
+
+    group_index: int | None
+    index: int | None
+    prompt: str | list[dict[str, Any]]
+    """The prompt as the dataset holds it (text, or chat messages)."""
+    response: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float | None
+    advantage: float
+    """The GRPO-normalised reward it would have trained with (seed step 30)."""
+    status: str
+    weight_version: str | None = None
 
 
 class SftBatchRequest(_Request):
@@ -84,6 +105,10 @@ class RolloutJob(BaseModel):
     error: str | None = None
     created_at: float = 0.0
     finished_at: float | None = None
+    preview: bool = False
+    """An unpublished training rollout (``RolloutRequest.publish`` false): its samples are in ``samples``."""
+    samples: list[RolloutSample] | None = None
+    """The samples of a preview, groups in order; None for every other job."""
 
 
 class EngineInfo(BaseModel):

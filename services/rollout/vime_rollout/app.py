@@ -1,6 +1,9 @@
 """The rollout manager's REST API (DESIGN.md §2): rollouts, warm-up batches, engine memory, weight
 bookkeeping, admission, data-source state. State-changing routes need the bearer token.
 
+A rollout with ``"publish": false`` (a preview, `vime rollout`) returns its samples in the job and
+publishes nothing, so no run ever trains on it.
+
 Errors are answers, not 500s: a rollout while engines sleep (or, for a training rollout, while
 admission is paused) is a 409, a second concurrent rollout a 409, an unknown job a 404, a rollout
 whose engines, router or reward service failed a 502 with the cause.
@@ -150,17 +153,22 @@ def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size
     async def post_rollout(body: RolloutRequest, request: Request, response: Response) -> RolloutJob:
         m: RolloutManager = mgr(request)
         dp = body.dp_size or default_dp_size
-        if not body.evaluation:
+        preview = not body.publish and not body.evaluation
+        if not body.evaluation and not preview:
             _check_dp_size(m, dp)
         if body.evaluation and not m.eval_data:
             raise ServiceError(400, "no eval dataset configured (data.eval_prompt_data)")
-        if m.jobs.find(body.rollout_id, body.evaluation) is None:
-            m.check_can_roll_out(body.evaluation)
+        if preview or m.jobs.find(body.rollout_id, body.evaluation) is None:
+            m.check_can_roll_out(body.evaluation, publish=not preview)
 
         async def run(job: RolloutJob) -> None:
-            kind, outcome, start = ("eval" if body.evaluation else "train"), "failed", time.perf_counter()
+            kind = "eval" if body.evaluation else "preview" if preview else "train"
+            outcome, start = "failed", time.perf_counter()
             try:
-                await (m.run_eval(job) if body.evaluation else m.run_training(job, dp))
+                if body.evaluation:
+                    await m.run_eval(job)
+                else:
+                    await (m.run_preview(job) if preview else m.run_training(job, dp))
                 outcome = "ok"
             finally:
                 rollouts.labels(kind, outcome).inc()
@@ -168,7 +176,7 @@ def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size
                 tokens.inc(job.metrics.get("rollout/generated_tokens", 0.0))
 
         try:
-            job, _ = m.jobs.submit(body.rollout_id, body.evaluation, run)
+            job, _ = m.jobs.submit(body.rollout_id, body.evaluation, run, preview=preview)
         except JobConflict as exc:
             raise ServiceError(409, str(exc)) from None
         if not body.wait:

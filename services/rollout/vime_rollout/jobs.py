@@ -1,5 +1,7 @@
 """Rollout jobs: one runs at a time; a repeated request for a running or finished rollout gets the
-same job back, so a trainer that retries after a dropped connection does not generate twice.
+same job back, so a trainer that retries after a dropped connection does not generate twice. An
+unpublished rollout (a preview: ``publish=False``, a one-off look) is never such a job, nor gets one
+back.
 
 A job runs in its own task, independent of the HTTP request that started it: a client that
 disconnects from a blocking ``POST /v1/rollouts`` does not cancel the rollout.
@@ -36,21 +38,27 @@ class JobRegistry:
         return self.jobs.get(job_id)
 
     def find(self, rollout_id: int, evaluation: bool) -> RolloutJob | None:
-        """The running or finished (not failed) job of this rollout, newest first."""
+        """The running or finished (not failed) job of this rollout, newest first; never a preview."""
         for job in reversed(self.jobs.values()):
             if (
                 job.rollout_id == rollout_id
                 and job.evaluation == evaluation
+                and not job.preview
                 and job.state is not JobState.FAILED
             ):
                 return job
         return None
 
     def submit(
-        self, rollout_id: int, evaluation: bool, run: Callable[[RolloutJob], Awaitable[None]]
+        self,
+        rollout_id: int,
+        evaluation: bool,
+        run: Callable[[RolloutJob], Awaitable[None]],
+        preview: bool = False,
     ) -> tuple[RolloutJob, bool]:
-        """(job, created): an existing job of this rollout, or a new one started in its own task."""
-        existing = self.find(rollout_id, evaluation)
+        """(job, created): an existing job of this rollout, or a new one started in its own task (a
+        preview always gets a new one)."""
+        existing = None if preview else self.find(rollout_id, evaluation)
         if existing is not None:
             return existing, False
         if self.running is not None:
@@ -65,6 +73,7 @@ class JobRegistry:
             evaluation=evaluation,
             run_id=self.run_id,
             created_at=time.time(),
+            preview=preview,
         )
         self.jobs[job.job_id] = job
         while len(self.jobs) > MAX_KEPT_JOBS:

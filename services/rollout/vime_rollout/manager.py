@@ -23,7 +23,8 @@ from vime_rollout.engines.group import EngineGroup
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.filters import load_function
 from vime_rollout.jobs import JobRegistry
-from vime_rollout.rollout.loop import generate_rollout
+from vime_rollout.preview import preview_samples
+from vime_rollout.rollout.loop import RolloutOutput, generate_rollout
 from vime_rollout.rollout.metrics import eval_metrics, rollout_metrics
 from vime_rollout.rollout.state import GenerateState, Generator, SamplingSettings, Scorer
 from vime_rollout.sft import SftExamples, build_sft_batch
@@ -86,14 +87,14 @@ class RolloutManager:
         )
 
     # --- rollouts --------------------------------------------------------------------------------
-    def check_can_roll_out(self, evaluation: bool = False) -> None:
+    def check_can_roll_out(self, evaluation: bool = False, publish: bool = True) -> None:
         """409 when engines sleep, or admission is paused for a training rollout.
 
         A sleeping engine would hang the rollout. Admission (seed steps 44, 53) gates training
-        rollouts only: it keeps a new batch from being generated across a weight push. An eval
-        publishes nothing, so it may run while admission stays paused after the last step.
+        rollouts only: it keeps a new batch from being generated across a weight push. An eval or
+        a preview publishes nothing, so it may run while admission stays paused after the last step.
         """
-        if self.admission.paused and not evaluation:
+        if self.admission.paused and not evaluation and publish:
             raise ServiceError(409, "rollout admission is paused: POST /v1/admission/resume first")
         asleep = sorted({t for r in self.engines.live() for t in r.asleep})
         if asleep:
@@ -119,28 +120,47 @@ class RolloutManager:
             abort_engines=self.engines.abort_all,
         )
 
+    async def generate(self, job: RolloutJob) -> tuple[RolloutOutput, dict[str, float]]:
+        """Seed steps 15–29 for training rollout ``job.rollout_id``: its groups and metrics."""
+        cfg = self.cfg
+        self.monitor.resume("offload")  # seed step 14: health monitoring resumes with each rollout
+        job.weight_version = version = self.engines.current_version
+        state = self.state(evaluation=False)
+        out = await generate_rollout(
+            state,
+            job.rollout_id,
+            self.data.get_samples,
+            target=cfg.rollout_batch_size,
+            over_sampling=cfg.over_sampling_batch_size or cfg.rollout_batch_size,
+            dynamic_filter=self.filter,
+        )
+        metrics = rollout_metrics(out.groups, state.counters, out.wall_s)
+        metrics["rollout/weight_version"] = float(version)
+        metrics["rollout/prompts_dropped_too_long"] = float(self.data.dataset.num_dropped_too_long)
+        return out, metrics
+
+    async def run_preview(self, job: RolloutJob) -> None:
+        """A training rollout whose samples come back in the job: nothing is published, and the data
+        source's position is restored, so a run started later sees the same prompts as if it never ran."""
+        snapshot = self.data.state_dict()
+        try:
+            out, metrics = await self.generate(job)
+            job.samples = await asyncio.to_thread(preview_samples, self.cfg, out.groups)
+        finally:
+            self.data.load_state_dict(snapshot)
+        job.num_samples, job.metrics = len(job.samples), metrics
+        log.info("rollout %d previewed: %d samples, %.1fs", job.rollout_id, job.num_samples, out.wall_s)
+
     async def run_training(self, job: RolloutJob, dp_size: int) -> None:
         """Seed steps 15–31 for rollout ``job.rollout_id``, then publish the batch."""
         cfg = self.cfg
         snapshot = self.data.state_dict()
-        self.monitor.resume("offload")  # seed step 14: health monitoring resumes with each rollout
-        version = self.engines.current_version
-        job.weight_version, job.dp_size = version, dp_size
-        state = self.state(evaluation=False)
+        job.dp_size = dp_size
         try:
-            out = await generate_rollout(
-                state,
-                job.rollout_id,
-                self.data.get_samples,
-                target=cfg.rollout_batch_size,
-                over_sampling=cfg.over_sampling_batch_size or cfg.rollout_batch_size,
-                dynamic_filter=self.filter,
-            )
+            out, metrics = await self.generate(job)
+            version = job.weight_version or 0
             if cfg.partial_rollout and out.aborted_groups:
                 self.data.add_samples(out.aborted_groups)
-            metrics = rollout_metrics(out.groups, state.counters, out.wall_s)
-            metrics["rollout/weight_version"] = float(version)
-            metrics["rollout/prompts_dropped_too_long"] = float(self.data.dataset.num_dropped_too_long)
             if self.sink is None:
                 raise ServiceError(503, "no Redis configured: the batch cannot be published")
             batch_id = await self.sink.next_batch_id(job.rollout_id)

@@ -21,6 +21,7 @@ from vime_rollout.engines.spec import EngineSpec
 from vime_rollout.manager import RolloutManager
 from vime_rollout.sft import SftExamples
 
+from vime.algorithms import normalize_group_rewards
 from vime.config import RunConfig, load_config
 
 TOKEN = "t0ken"
@@ -230,3 +231,48 @@ def test_sft_batches_need_the_token_labels_that_are_text_and_redis(client: Any, 
     assert "not text the model should emit" in _error(
         c.post("/v1/sft-batches", json={"step": 0}, headers=AUTH), 422
     )
+
+
+def test_a_preview_returns_its_samples_and_leaves_no_trace(client: Any, tokenizer: Any) -> None:
+    """``publish: false`` (`vime rollout`): samples in the reply, nothing published (no Redis needed
+    here), the prompts given back, and no job shared with the training rollout of the same id."""
+    c, _, _ = client
+    before = c.get("/v1/data-source/state").json()["state"]
+    assert c.post("/v1/admission/pause", headers=AUTH).status_code == 200  # a preview publishes nothing
+    r = c.post("/v1/rollouts", json={"rollout_id": 0, "publish": False}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["preview"] and job["state"] == "done" and job["batch_id"] is None and job["entry_id"] is None
+    samples = job["samples"]
+    assert job["num_samples"] == len(samples) == 8 and job["metrics"]["rollout/num_samples"] == 8.0
+    assert [(s["group_index"], s["index"]) for s in samples] == sorted(
+        (s["group_index"], s["index"]) for s in samples
+    )
+    for g in range(2):
+        group = [s for s in samples if s["group_index"] == g]
+        assert len(group) == 4 and len({s["prompt"] for s in group}) == 1
+        rewards = [s["reward"] for s in group]
+        assert rewards == [float(s["index"] % 2) for s in group]  # the stub scorer's rewards
+        assert [s["advantage"] for s in group] == pytest.approx(normalize_group_rewards(rewards, 4))
+    for s in samples:
+        assert tokenizer.decode(s["prompt_ids"]) == s["prompt"] and s["response_ids"]
+        assert tokenizer.decode(s["response_ids"]) == s["response"]
+    assert c.get("/v1/data-source/state").json()["state"] == before  # the next rollout gets the same prompts
+    assert c.get(f"/v1/rollouts/{job['job_id']}").json()["samples"] == samples
+    again = c.post("/v1/rollouts", json={"rollout_id": 0, "publish": False, "wait": False}, headers=AUTH)
+    assert again.status_code == 202 and again.json()["job_id"] != job["job_id"]  # a new look, not the old one
+    _wait_done(c, again.json()["job_id"])
+    assert c.post("/v1/admission/resume", json={"was_paused": True}, headers=AUTH).status_code == 200
+    # The training rollout of the same id is its own job: here it fails to publish (no Redis).
+    assert "no Redis" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 502)
+
+
+def _wait_done(c: Any, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = c.get(f"/v1/rollouts/{job_id}").json()
+        if job["state"] != "running":
+            assert job["state"] == "done", job
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still running")
