@@ -114,6 +114,17 @@ def test_status_sees_every_service_healthy(stack: Launched) -> None:
     assert os.readlink(Path(stack.cfg["output_dir"]) / "latest") == stack.cfg["run_id"]
 
 
+def test_a_healthy_start_prints_only_the_launchers_lines(stack: Launched) -> None:
+    """Services log their normal lifecycle (engines admitted, data-plane workers, the route filter)
+    at info; the console shows warnings and errors only, so a healthy start shows none of theirs."""
+    assert stack.child.log_path is not None
+    text = stack.child.log_path.read_text(errors="replace")
+    start = text[: text.index("Ctrl-C stops everything")]
+    assert "is up" in start and "✓ trainer" in start
+    service_lines = [line for line in start.splitlines() if " │ " in line]
+    assert not service_lines, "\n".join(service_lines)
+
+
 def test_rollout_returns_scored_samples(stack: Launched, tmp_path: Path) -> None:
     """The samples come back; nothing reaches the stack's Redis stream, the prompts are given back."""
     resolved = yaml.safe_load(stack.resolved.read_text())

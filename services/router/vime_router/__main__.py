@@ -27,12 +27,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="control-plane port (default services.router_control_port)")
     p.add_argument("--data-port", type=int, help="public data-plane port (default services.router_port)")
     p.add_argument("--log-dir", help="where vllm-router's and the filter's logs go (default: a temp dir)")
+    p.add_argument("--log-level", default="info", help="lifecycle at info; ejections and failures at warning")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe drowns the log
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = DataPlaneSpec(
         host=host, port=args.data_port or services.router_port, config=cfg.router, log_dir=log_dir
     )
-    logging.getLogger("vime.router").warning(
+    logging.getLogger("vime.router").info(
         "router: data plane %s (policy %s), control plane http://%s:%d, logs in %s",
         spec.public_url,
         cfg.router.policy,

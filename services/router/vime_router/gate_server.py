@@ -62,9 +62,7 @@ async def run(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.warning(
-        "route filter on %s:%d -> %s:%d", args.host, args.port, args.upstream_host, args.upstream_port
-    )
+    log.info("route filter on %s:%d -> %s:%d", args.host, args.port, args.upstream_host, args.upstream_port)
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=min(10.0, args.idle_timeout_s))
@@ -77,7 +75,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
         import uvloop

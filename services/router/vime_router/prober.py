@@ -87,7 +87,7 @@ class Prober:
             # Out of the data plane now, not after the slowest probe of this round.
             await self.on_change()
         elif change == "admitted":
-            log.warning("engine %s (%s) admitted", engine.id, engine.url)
+            log.info("engine %s (%s) admitted", engine.id, engine.url)
         return change
 
     async def round(self) -> None:

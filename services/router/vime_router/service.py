@@ -76,7 +76,7 @@ class RouterService:
                 503, f"state recorded, but the data plane was not updated yet (it retries): {exc}"
             ) from None
         if added or removed:
-            log.warning("data plane workers: +%s -%s", sorted(added), sorted(removed))
+            log.info("data plane workers: +%s -%s", sorted(added), sorted(removed))
 
     async def sync_quietly(self) -> None:
         with contextlib.suppress(ServiceError):
