@@ -106,8 +106,13 @@ def logprobs_mode_of(url: str) -> str:
         r = c.get(url + "/server_info", params={"config_format": "json"})
     if r.status_code == 404:
         return "raw_logprobs"
-    r.raise_for_status()
-    return str(r.json()["vllm_config"]["model_config"]["logprobs_mode"])
+    try:
+        return str(r.json()["vllm_config"]["model_config"]["logprobs_mode"])
+    except (ValueError, KeyError, TypeError):
+        raise RuntimeError(
+            f"GET {url}/server_info answered {r.status_code} without model_config.logprobs_mode: "
+            "set VIME_CONTRACT_LOGPROBS_MODE to the engine's --logprobs-mode"
+        ) from None
 
 
 class HFReference:
