@@ -62,6 +62,7 @@ from vime.wire.trainer import RunState
 HERE = Path(__file__).resolve().parent
 PROBE = [5, 17, 30, 41, 52, 9, 12, 3]
 MIB = 1 << 20
+ONE_TIME_MIB = 1536  # per trainer rank: seen 484 (first TP gather) + 1172 (first step) on H200, TP=2
 
 
 def checkpoint_log_probs(model: Path, tokens: list[int]) -> list[float]:
@@ -139,8 +140,9 @@ def test_colocated_loop_three_rollouts(gpu: bool, tmp_path: Path) -> None:
         if step.order() != EXPECTED_STEP_ORDER:
             problems.append(f"rollout {step.rollout_id} calls out of order: {step.order()}")
     weight_bytes = (2 if gpu else 4) * n_params * max(gpus, 1)
-    for step in steps:
-        problems += check_memory(step, sampler, gpu, weight_bytes)
+    ranks = max(gpus, 1)
+    for k, step in enumerate(steps):  # start-up and rollout 0 may pay the one-time costs
+        problems += check_memory(step, sampler, gpu, weight_bytes, ONE_TIME_MIB * ranks if k < 2 else 0)
     if [e["action"] for e in events].count("weights.loaded") != NUM_ROLLOUT + 1:
         problems.append("not one push at start-up and one per rollout")
     record("loop_problems", problems=problems)
@@ -207,8 +209,14 @@ def check_mismatch(rows: list[dict[str, Any]], gpu: bool) -> list[str]:
     return problems
 
 
-def check_memory(step: StepMemory, sampler: MemorySampler, gpu: bool, weight_bytes: int) -> list[str]:
-    """The seed's memory order at this step's transitions (start-up: the last four only)."""
+def check_memory(
+    step: StepMemory, sampler: MemorySampler, gpu: bool, weight_bytes: int, one_time_mib: int
+) -> list[str]:
+    """The seed's memory order at this step's transitions (start-up: the last four only).
+
+    ``one_time_mib``: what the asleep trainer may keep the first time a path runs (NCCL
+    communicators of a group's first collective, lazily loaded kernels); later steps get none.
+    """
     name = f"rollout {step.rollout_id}" if step.rollout_id is not None else "start-up"
     w_on = step.first("POST /v1/engines/onload(weights)")
     kv_on = step.first("POST /v1/engines/onload(kv_cache")
@@ -227,7 +235,7 @@ def check_memory(step: StepMemory, sampler: MemorySampler, gpu: bool, weight_byt
             f"{name}: engine weights did not come back before the push ({w_on.before} → {w_on.after})"
         )
     kept = trainer_mib(loaded.detail) - trainer_mib(w_on.detail) if loaded.detail and w_on.detail else None
-    if gpu and kept is not None and kept > 256:  # the asleep trainer gives back what the push used
+    if gpu and kept is not None and kept > 256 + one_time_mib:  # the asleep trainer gives back the push
         problems.append(
             f"{name}: the trainer kept {kept} MiB after the push "
             f"(MiB per process before: {w_on.detail}, after: {loaded.detail})"
@@ -245,7 +253,8 @@ def check_memory(step: StepMemory, sampler: MemorySampler, gpu: bool, weight_byt
             problems.append(
                 f"{name}: KV woke with {(kv_on.after - kv_on.before) >> 20} of {dropped >> 20} MiB"
             )
-        problems += trainer_memory(name, off.after, done.before, sampler.peak(off.t1, done.t0), weight_bytes)
+        peak = sampler.peak(off.t1, done.t0)
+        problems += trainer_memory(name, off.after, done.before, peak, weight_bytes, one_time_mib)
     return problems
 
 
@@ -255,7 +264,7 @@ def trainer_mib(detail: dict[str, int]) -> int:
 
 
 def trainer_memory(
-    name: str, engines_off: int, trained: int, peak: int | None, weight_bytes: int
+    name: str, engines_off: int, trained: int, peak: int | None, weight_bytes: int, one_time_mib: int
 ) -> list[str]:
     """While the engines sleep the trainer takes memory (≥ bf16 weights + grads) and gives it back."""
     if peak is None:
@@ -264,6 +273,6 @@ def trainer_memory(
     problems = []
     if taken < 2 * weight_bytes:
         problems.append(f"{name}: the trainer took only {taken >> 20} MiB while training")
-    if kept > 256 * MIB + taken // 10:
+    if kept > (256 + one_time_mib) * MIB + taken // 10:
         problems.append(f"{name}: {kept >> 20} MiB still held after the trainer slept")
     return problems

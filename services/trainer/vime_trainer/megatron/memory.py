@@ -86,6 +86,10 @@ class Offloader:
             storage.resize_(0)
         if pin:
             torch.cuda.synchronize()
+            # cuBLAS keeps a workspace per handle and stream in the allocator; the engines want it
+            clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_cublas is not None:
+                clear_cublas()
             torch.cuda.empty_cache()
         self.asleep = True
         return freed
