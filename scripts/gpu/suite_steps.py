@@ -70,7 +70,7 @@ STEPS: dict[str, Step] = {
             "bench_sync",
             "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM over IPC vs D2D copy (stock, then the fast loader); 4B train-step MFU",
             _args(
-                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3"
+                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3 --fast-rounds 2"
             ),
             _args("bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2 --train-steps 1"),
             timeout_s=360,
