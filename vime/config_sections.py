@@ -97,7 +97,9 @@ class EngineConfig(Section):
     launcher: Literal["local", "docker", "external"] = "local"
     """local child processes, sibling containers (Docker SDK), or engines already running."""
     urls: list[str] = Field(default_factory=list)
-    """Engine base URLs for launcher=external (one per engine)."""
+    """Engine base URLs for launcher=external (one per engine). Start them with
+    ``--logprobs-mode processed_logprobs`` (and VLLM_SERVER_DEV_MODE=1): an engine that says
+    another mode is refused."""
     host: str = "127.0.0.1"
     """Interface engines listen on; keep it private: their control routes are unauthenticated."""
     base_port: int = Field(18100, ge=1024, le=65000)

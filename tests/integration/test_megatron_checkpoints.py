@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,21 +19,9 @@ from vime_trainer.weights.hf_checkpoint import HFReader
 from vime_trainer.weights.shm import read_bucket
 
 from tests.support.hf_models import build_hf
-from tests.support.megatron import hf_logits, local_ray, one, rollout_batch, run_config, split
-from vime.models.tiny import ensure_tiny_qwen3
+from tests.support.megatron import hf_logits, one, rollout_batch, run_config, split
 
 TOKENS = np.random.default_rng(3).integers(0, 128, size=(2, 17))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    with local_ray(num_cpus=2):
-        yield
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_qwen3(tmp_path_factory.mktemp("models"), "nano")
 
 
 def _started(cfg, checkpoint: Path) -> ActorGroup:  # type: ignore[no-untyped-def]

@@ -5,7 +5,6 @@ at TP 2. Real Megatron ranks as Ray actors; the reference is the HF model in thi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,22 +12,10 @@ import pytest
 import torch
 from vime_trainer.megatron.actor_group import ActorGroup
 
-from tests.support.megatron import local_ray, rollout_batch, run_config, split
+from tests.support.megatron import rollout_batch, run_config, split
 from vime.batch import RankBatch
-from vime.models.tiny import ensure_tiny_qwen3
 
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    with local_ray(num_cpus=2):
-        yield
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_qwen3(tmp_path_factory.mktemp("models"), "nano")
 
 
 def hf_response_stats(

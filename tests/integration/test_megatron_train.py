@@ -19,27 +19,15 @@ from tests.support.megatron import (
     SEED_ADVANTAGE,
     hf_logits,
     hf_reference,
-    local_ray,
     one,
     rollout_batch,
     run_config,
     split,
     with_rollout_log_probs,
 )
-from vime.models.tiny import ensure_tiny_qwen3, vocabulary
+from vime.models.tiny import vocabulary
 
 TOKENS = np.random.default_rng(7).integers(0, 128, size=(2, 21))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    with local_ray(num_cpus=2):
-        yield
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_qwen3(tmp_path_factory.mktemp("models"), "nano")
 
 
 @pytest.fixture(scope="module")

@@ -174,6 +174,16 @@ class EngineClient(ServiceClient):
         body = None if weight_version is None else {"weight_version": str(weight_version)}
         await self.request("POST", "/finish_weight_update", json=body)
 
+    async def logprobs_mode(self) -> str | None:
+        """The engine's ``--logprobs-mode`` from vLLM's dev-mode ``GET /server_info`` (None: not said)."""
+        response = await self.send("GET", "/server_info", params={"config_format": "json"}, idempotent=True)
+        if response.status_code != 200:
+            return None
+        try:
+            return str(response.json()["vllm_config"]["model_config"]["logprobs_mode"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
     async def weight_version(self) -> str | None:
         """The engine's own weight-version label (``GET /weight_info``), or None where it has none (0.26)."""
         response = await self.send("GET", "/weight_info", idempotent=True)

@@ -104,6 +104,9 @@ class StubControl:
     async def weight_version(self) -> str | None:
         return None
 
+    async def logprobs_mode(self) -> str | None:
+        return self.world.logprobs_mode.get(self.base_url, "processed_logprobs")
+
     async def aclose(self) -> None:
         return None
 
@@ -135,6 +138,8 @@ class StubWorld:
         self.processes: dict[str, StubProcess] = {}
         self.registered: list[str] = []
         self.deregistered: list[str] = []
+        self.logprobs_mode: dict[str, str | None] = {}
+        """What an engine's /server_info says (default processed_logprobs; None: it does not say)."""
 
     def start(self, spec: EngineSpec, command: EngineCommand | None) -> StubProcess:
         self.starts.append(spec.url)

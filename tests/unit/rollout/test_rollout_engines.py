@@ -12,7 +12,7 @@ import pytest
 from rollout_fakes import StubControl, StubWorld
 from vime_rollout.engines.commands import EngineCommand, reference_command, vllm_command
 from vime_rollout.engines.control import normalize_wake_tags
-from vime_rollout.engines.group import EngineGroup
+from vime_rollout.engines.group import EngineGroup, EngineStartError
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, container_spec
 from vime_rollout.engines.records import EngineStatus, LockHeld, UpdateLock
@@ -182,6 +182,21 @@ def test_group_starts_registers_and_fans_memory_calls_out() -> None:
         assert sent == [] and all(v.startswith("skipped") for v in res.values())
         await group.abort_all()
         assert sum(c[1] == "abort" for c in world.calls) == 3
+
+    asyncio.run(main())
+
+
+def test_an_engine_with_raw_logprobs_is_refused_and_one_that_does_not_say_is_admitted() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=2)
+        world.logprobs_mode[group.records[1].url] = "raw_logprobs"  # attached, started without the flag
+        with pytest.raises(
+            EngineStartError, match=r"engine.*raw_logprobs.*--logprobs-mode processed_logprobs"
+        ):
+            await group.start()
+        world.logprobs_mode[group.records[1].url] = None  # no dev-mode /server_info: a warning only
+        await _group(world, n=2).start()
 
     asyncio.run(main())
 

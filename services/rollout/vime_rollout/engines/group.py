@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from vime_rollout.engines.commands import EngineCommand
+from vime_rollout.engines.commands import LOGPROBS_MODE, EngineCommand
 from vime_rollout.engines.control import EngineControl, healthy, normalize_wake_tags
 from vime_rollout.engines.launchers import Launcher
 from vime_rollout.engines.records import LIVE, EngineRecord, EngineStatus, UpdateLock
@@ -74,6 +74,7 @@ class EngineGroup:
         cmd = self.command_for(rec.spec) if rec.spec.backend != "external" else None
         rec.process = await asyncio.to_thread(self.launcher.start, rec.spec, cmd)
         await self.wait_healthy(rec)
+        await self.check_logprobs_mode(rec)
         rec.asleep.clear()
         rec.failures = 0
 
@@ -90,6 +91,23 @@ class EngineGroup:
         raise EngineStartError(
             f"{rec.spec.name} at {rec.url} not healthy after {self.startup_timeout_s:.0f}s"
         )
+
+    async def check_logprobs_mode(self, rec: EngineRecord) -> None:
+        """Refuse an engine whose log-probs are not those of the distribution it samples from.
+
+        The trainer compares rollout log-probs with its own, computed after temperature (seed
+        steps 24, 38); vLLM's default ``raw_logprobs`` ignores temperature, top-k and top-p, so an
+        engine attached by URL and started without the flag would skew every ratio silently.
+        """
+        mode = await rec.control.logprobs_mode()
+        if mode is None:
+            log.warning("%s does not say its --logprobs-mode (no dev-mode /server_info)", rec.url)
+        elif mode != LOGPROBS_MODE:
+            raise EngineStartError(
+                f"{rec.spec.name} at {rec.url} runs --logprobs-mode {mode}; vime needs "
+                f"{LOGPROBS_MODE} (the log-probs of the tempered distribution it samples "
+                f"from): restart it with --logprobs-mode {LOGPROBS_MODE}"
+            )
 
     async def stop(self) -> None:
         """Deregister and stop every engine this group started."""
