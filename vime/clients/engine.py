@@ -16,6 +16,7 @@ from typing import Any, TypedDict, Unpack
 
 from vime.clients.base import ServiceCallError, ServiceClient
 from vime.wire.engine import EngineInfo, PauseMode
+from vime.wire.engine_metrics import FINISHED, metric_sum
 from vime.wire.vllm import GENERATE_PATH, GenerateResult, parse_generate_response
 
 DEFAULT_GENERATE_TIMEOUT_S = 1800.0
@@ -173,6 +174,12 @@ class EngineClient(ServiceClient):
         """End the update; the version label is kept by 0.33 and the reference engine, ignored by 0.26."""
         body = None if weight_version is None else {"weight_version": str(weight_version)}
         await self.request("POST", "/finish_weight_update", json=body)
+
+    async def finished_requests(self) -> float | None:
+        """Requests the engine has finished since it started (``vllm:request_success_total`` in
+        ``GET /metrics``); None where it does not say."""
+        response = await self.send("GET", "/metrics", idempotent=True)
+        return metric_sum(response.content, FINISHED) if response.status_code == 200 else None
 
     async def logprobs_mode(self) -> str | None:
         """The engine's ``--logprobs-mode`` from vLLM's dev-mode ``GET /server_info`` (None: not said)."""

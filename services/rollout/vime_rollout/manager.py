@@ -25,7 +25,7 @@ from vime_rollout.filters import load_function
 from vime_rollout.jobs import JobRegistry
 from vime_rollout.preview import preview_samples
 from vime_rollout.rollout.loop import RolloutOutput, generate_rollout
-from vime_rollout.rollout.metrics import eval_metrics, rollout_metrics
+from vime_rollout.rollout.metrics import engine_request_metrics, eval_metrics, rollout_metrics
 from vime_rollout.rollout.state import GenerateState, Generator, SamplingSettings, Scorer
 from vime_rollout.sft import SftExamples, build_sft_batch
 
@@ -126,6 +126,7 @@ class RolloutManager:
         self.monitor.resume("offload")  # seed step 14: health monitoring resumes with each rollout
         job.weight_version = version = self.engines.current_version
         state = self.state(evaluation=False)
+        served_before = await self.engines.finished_requests()
         out = await generate_rollout(
             state,
             job.rollout_id,
@@ -135,6 +136,7 @@ class RolloutManager:
             dynamic_filter=self.filter,
         )
         metrics = rollout_metrics(out.groups, state.counters, out.wall_s)
+        metrics.update(engine_request_metrics(served_before, await self.engines.finished_requests()))
         metrics["rollout/weight_version"] = float(version)
         metrics["rollout/prompts_dropped_too_long"] = float(self.data.dataset.num_dropped_too_long)
         return out, metrics

@@ -16,26 +16,16 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from vime.wire.engine_metrics import IN_FLIGHT, metric_sum
 from vime_router.registry import Engine, Registry
 
 log = logging.getLogger("vime.router.prober")
 
-IN_FLIGHT_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
-
 
 def parse_in_flight(metrics_text: bytes) -> int | None:
     """Sum of vLLM's running + waiting gauges over all label sets; None when absent."""
-    total = 0.0
-    seen = False
-    for line in metrics_text.splitlines():
-        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
-        if name in IN_FLIGHT_METRICS:
-            try:
-                total += float(line.rsplit(b" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-            seen = True
-    return round(total) if seen else None
+    total = metric_sum(metrics_text, IN_FLIGHT)
+    return None if total is None else round(total)
 
 
 class Prober:

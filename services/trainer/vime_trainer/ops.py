@@ -289,10 +289,18 @@ def train_metrics(steps: list[dict[str, float]], prefix: str = "train") -> dict[
 
 
 def batch_metrics(shares: Sequence[RankBatch]) -> dict[str, float]:
-    """What the trained samples carried: their count and the weight versions that generated them."""
+    """What the trained samples carried: their count, the weight versions that generated them, and
+    how they were split (seed: 4 DP ranks × 64 samples in 8 micro-batches each)."""
     versions = [int(v) for s in shares for v in s.weight_versions]
+    per_rank = [float(s.num_samples) for s in shares] or [0.0]
+    micro = [float(sum(s.num_microbatches)) for s in shares] or [0.0]
     return {
         "batch/samples": float(sum(s.num_samples for s in shares)),
         "batch/weight_version_min": float(min(versions, default=-1)),
         "batch/weight_version_max": float(max(versions, default=-1)),
+        "batch/dp_ranks": float(len(shares)),
+        "batch/rank_samples_min": min(per_rank),
+        "batch/rank_samples_max": max(per_rank),
+        "batch/rank_micro_batches_min": min(micro),
+        "batch/rank_micro_batches_max": max(micro),
     }

@@ -104,6 +104,9 @@ class StubControl:
     async def weight_version(self) -> str | None:
         return None
 
+    async def finished_requests(self) -> float | None:
+        return self.world.finished.get(self.base_url)
+
     async def logprobs_mode(self) -> str | None:
         return self.world.logprobs_mode.get(self.base_url, "processed_logprobs")
 
@@ -138,6 +141,8 @@ class StubWorld:
         self.processes: dict[str, StubProcess] = {}
         self.registered: list[str] = []
         self.deregistered: list[str] = []
+        self.finished: dict[str, float] = {}
+        """What an engine's /metrics says it finished (absent: it does not say)."""
         self.logprobs_mode: dict[str, str | None] = {}
         """What an engine's /server_info says (default processed_logprobs; None: it does not say)."""
 

@@ -18,6 +18,7 @@ from vime_rollout.engines.launchers import DockerLauncher, container_spec
 from vime_rollout.engines.records import EngineStatus, LockHeld, UpdateLock
 from vime_rollout.engines.spec import EnginePlanError, EngineSpec, plan_engines
 from vime_rollout.factory import make_launcher
+from vime_rollout.rollout.metrics import engine_request_metrics
 
 from vime.config import RunConfig, load_config
 
@@ -197,6 +198,27 @@ def test_an_engine_with_raw_logprobs_is_refused_and_one_that_does_not_say_is_adm
             await group.start()
         world.logprobs_mode[group.records[1].url] = None  # no dev-mode /server_info: a warning only
         await _group(world, n=2).start()
+
+    asyncio.run(main())
+
+
+def test_requests_per_engine_come_from_each_engines_counter() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=4)
+        await group.start()
+        urls = [r.url for r in group.records]
+        world.finished.update({u: 10.0 * k for k, u in enumerate(urls[:3])})  # engine 3 does not say
+        before = await group.finished_requests()
+        assert set(before) == set(urls[:3])
+        world.finished.update({urls[0]: 64.0, urls[1]: 10.0 + 60, urls[2]: 3.0})  # engine 2 restarted
+        m = engine_request_metrics(before, await group.finished_requests())
+        assert m == {
+            "rollout/engines_reporting": 2.0,
+            "rollout/engine_requests_min": 60.0,
+            "rollout/engine_requests_max": 64.0,
+        }
+        assert engine_request_metrics({}, {urls[0]: 5.0}) == {}
 
     asyncio.run(main())
 

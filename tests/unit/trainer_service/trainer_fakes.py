@@ -234,6 +234,7 @@ class FakeShare:
     rollout_id: int
     weight_versions: np.ndarray
     num_samples: int = 4
+    num_microbatches: tuple[int, ...] = (1,)
 
 
 class FakeBatches:

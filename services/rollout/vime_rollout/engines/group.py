@@ -136,6 +136,19 @@ class EngineGroup:
                 log.warning("deregistering %s: %s", rec.url, exc)
         rec.registered = False
 
+    async def finished_requests(self) -> dict[str, float]:
+        """Each live engine's finished-request counter (engines that do not say are left out)."""
+
+        async def one(rec: EngineRecord) -> float | None:
+            try:
+                return await rec.control.finished_requests()
+            except Exception:  # a metric is not worth failing a rollout over
+                return None
+
+        records = self.live()
+        counts = await asyncio.gather(*(one(r) for r in records))
+        return {r.url: c for r, c in zip(records, counts, strict=True) if c is not None}
+
     # --- fan-out -------------------------------------------------------------------------------
     def live(self) -> list[EngineRecord]:
         return [r for r in self.records if r.status in LIVE]

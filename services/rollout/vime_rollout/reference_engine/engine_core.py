@@ -82,6 +82,7 @@ class EngineCore:
         self.update_active = False
         self.steps = 0
         self.generated_tokens = 0
+        self.finished_requests = 0
         self._shared = torch.Generator().manual_seed(seed)
         self._lock = asyncio.Lock()
         self._work = asyncio.Event()
@@ -117,9 +118,13 @@ class EngineCore:
         if request.request_id in self.requests:
             raise EngineError(f"request id {request.request_id!r} is already in flight", param="request_id")
         self.requests[request.request_id] = request
-        request.future.add_done_callback(lambda _: self.requests.pop(request.request_id, None))
+        request.future.add_done_callback(lambda _: self._finished(request.request_id))
         self.waiting.extend(request.sequences)
         self._work.set()
+
+    def _finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.finished_requests += 1
 
     # ----- the step loop -----------------------------------------------------------------------
 
@@ -371,4 +376,5 @@ class EngineCore:
             "update_active": self.update_active,
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
+            "finished_requests": self.finished_requests,
         }

@@ -2,8 +2,9 @@
 
 The router's control plane drains an engine by watching ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting`` (sequences in the batch, sequences queued — held ones included);
-the reference engine serves them under vLLM's names and labels, plus the generated-token counter
-and vLLM's sleep-state gauge, read from the engine core at scrape time.
+the reference engine serves them under vLLM's names and labels, plus the generated-token and
+finished-request counters (the rollout manager's requests per engine) and vLLM's sleep-state
+gauge, read from the engine core at scrape time.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class EngineCollector(Collector):
         )
         c.add_metric(self.values, float(state["generated_tokens"]))
         yield c
+        done = CounterMetricFamily("vllm:request_success", "Count of finished requests.", labels=self.labels)
+        done.add_metric(self.values, float(state["finished_requests"]))
+        yield done
 
 
 def add_metrics_route(app: FastAPI, model_name: str) -> None:

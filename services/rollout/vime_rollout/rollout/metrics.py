@@ -54,6 +54,20 @@ def rollout_metrics(
     return {f"{prefix}/{k}": v for k, v in out.items()}
 
 
+def engine_request_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How the rollout's requests spread over the engines (seed: 256 over 4 engines, ~64 each),
+    from each engine's finished-request counter read before and after; engines restarted in
+    between (counter went down) or silent on either side are left out."""
+    deltas = [after[u] - before[u] for u in after if u in before and after[u] >= before[u]]
+    if not deltas:
+        return {}
+    return {
+        "rollout/engines_reporting": float(len(deltas)),
+        "rollout/engine_requests_min": min(deltas),
+        "rollout/engine_requests_max": max(deltas),
+    }
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for ``c`` correct out of ``n`` samples: 1 − C(n−c, k) / C(n, k)."""
     if k > n:
