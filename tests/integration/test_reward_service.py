@@ -217,6 +217,37 @@ async def test_remote_failures_are_handled(service: str) -> None:
     assert wrong_path.status == RewardStatus.ERROR and "404" in (wrong_path.error or "")
 
 
+async def test_a_remote_loop_ends_with_an_error_not_a_flood(tmp_path: Path) -> None:
+    """A service whose default is ``remote`` pointing at itself: each forward carries the hop
+    count, and the fifth arrival refuses instead of forwarding again."""
+    port = procs.free_port()
+    argv = procs.python_module("vime_reward", "--port", str(port))
+    argv += [
+        "--set",
+        "reward.rm_type=remote",
+        "--set",
+        f"reward.remote_url=http://127.0.0.1:{port}/v1/reward",
+    ]
+    argv += ["--set", "reward.timeout_s=20", "--set", "reward.num_workers=1"]
+    child = procs.start("reward-loop", argv, log_path=tmp_path / "loop.log", env={"VIME_API_TOKEN": TOKEN})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_healthy(url, child, timeout_s=60)
+        start = time.monotonic()
+        async with client(url) as c:
+            result = await c.score({"response": "x", "label": "1"})
+        elapsed = time.monotonic() - start
+        forwarded = httpx.post(
+            f"{url}/v1/reward", json={"response": "x", "label": "1"}, headers={"X-Vime-Reward-Hops": "4"}
+        )
+    finally:
+        child.stop()
+    assert result.status == RewardStatus.ERROR and result.fn == "remote"
+    assert "already came through 4 reward services" in (result.error or "")
+    assert elapsed < 10  # five local hops, not a wait for the 20 s timeout
+    assert forwarded.status_code == 200 and "came through 4" in forwarded.json()["error"]
+
+
 async def test_batch_of_256_in_order(service: str) -> None:
     items = [
         {

@@ -27,7 +27,7 @@ from vime.wire.reward import (
     RewardResult,
 )
 from vime_reward.functions import BUILTINS
-from vime_reward.functions.remote import RemoteScorer
+from vime_reward.functions.remote import HOPS_HEADER, RemoteScorer, arrived_hops, hops_of
 from vime_reward.pool import WorkerPool
 from vime_reward.resolve import Resolver
 from vime_reward.scoring import RewardMetrics, Scorer
@@ -90,12 +90,14 @@ def build_app(cfg: RunConfig) -> FastAPI:
     @app.post("/v1/reward", response_model=RewardResult)
     async def reward(body: RewardRequest, request: Request) -> RewardResult:
         """Score one sample."""
+        arrived_hops.set(hops_of(request.headers.get(HOPS_HEADER)))
         job = await resolver.job(body, authorized=_authorized(request, token))
         return await holder["scorer"].score(job)
 
     @app.post("/v1/rewards", response_model=RewardBatchResult)
     async def rewards(body: RewardBatchRequest, request: Request) -> RewardBatchResult:
         """Score a batch (or, with ``group``, a GRPO group) in request order."""
+        arrived_hops.set(hops_of(request.headers.get(HOPS_HEADER)))
         allowed = _authorized(request, token)
         jobs = []
         for i, item in enumerate(body.items):

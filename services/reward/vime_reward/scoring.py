@@ -19,7 +19,13 @@ from vime.service import Metrics, ServiceError
 from vime.wire.reward import RewardRequest, RewardResult, RewardStatus
 from vime_reward.cache import ResultCache, fingerprint
 from vime_reward.functions.base import utf8_safe
-from vime_reward.functions.remote import RemoteFailed, RemoteOptions, RemoteScorer, RemoteTimeout
+from vime_reward.functions.remote import (
+    RemoteFailed,
+    RemoteOptions,
+    RemoteScorer,
+    RemoteTimeout,
+    arrived_hops,
+)
 from vime_reward.pool import PoolClosed, TaskResult, WorkerPool
 from vime_reward.resolve import Job
 
@@ -79,6 +85,10 @@ class Scorer:
         key = job.req.sample_id
         if key is None:
             return await self._compute(job)
+        if hops := arrived_hops.get():
+            # A sample forwarded back to this service is another computation, not a retry: waiting
+            # on the first would wait on itself.
+            key = f"{key}@hop{hops}"
         digest = fingerprint(job.target.name, job.options, job.req)
         result, repeated = await self.cache.once(key, digest, lambda: self._compute(job))
         if repeated:

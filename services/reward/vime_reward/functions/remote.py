@@ -5,10 +5,16 @@ remote_rm body, and a valid request for another vime reward service's ``/v1/rewa
 is a number or an object holding the reward under ``reward_key`` / ``reward`` / ``score``. It only
 waits on the network, so it runs in the service's event loop, not in the worker pool. Each attempt
 has a timeout; connection failures and 502/503/504 are retried with backoff.
+
+Each forward carries ``X-Vime-Reward-Hops`` (the count it arrived with, plus one), so a chain of
+reward services that loops back on itself (a ``remote_url`` pointing at a service whose default
+is ``remote`` again) ends with an error after `MAX_HOPS` forwards instead of spawning requests
+until every timeout fires.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,6 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from vime.clients.base import ServiceClient, ServiceUnreachable, error_message
 from vime.wire.reward import RewardRequest
 from vime_reward.functions.base import Outcome, as_outcome, clip
+
+HOPS_HEADER = "X-Vime-Reward-Hops"
+MAX_HOPS = 4
+"""Forwards a sample may take through reward services; more is taken for a loop."""
+arrived_hops: ContextVar[int] = ContextVar("arrived_hops", default=0)
+"""The hop count of the request being served (set by the routes from `HOPS_HEADER`)."""
+
+
+def hops_of(value: str | None) -> int:
+    """The hop count in a request header (a malformed value counts as one hop)."""
+    if value is None:
+        return 0
+    try:
+        return max(0, int(value))
+    except ValueError:
+        return 1
 
 
 class RemoteOptions(BaseModel):
@@ -62,6 +84,12 @@ class RemoteScorer:
         url = opts.url or self.default_url
         if not url:
             raise RemoteFailed("remote needs options.url or reward.remote_url in the service config")
+        hops = arrived_hops.get()
+        if hops >= MAX_HOPS:
+            raise RemoteFailed(
+                f"not forwarded: the sample already came through {hops} reward services "
+                f"(a loop? check reward.remote_url of each, last {url})"
+            )
         parts = urlsplit(url)
         path = parts.path or "/"
         if parts.query:
@@ -71,7 +99,13 @@ class RemoteScorer:
         timeout = opts.timeout_s or self.default_timeout_s
         try:
             resp = await self._client(f"{parts.scheme}://{parts.netloc}").send(
-                "POST", path, json=body, timeout=timeout, idempotent=True, retries=opts.retries
+                "POST",
+                path,
+                json=body,
+                headers={HOPS_HEADER: str(hops + 1)},
+                timeout=timeout,
+                idempotent=True,
+                retries=opts.retries,
             )
         except httpx.TimeoutException as exc:
             raise RemoteTimeout(f"{url} did not answer within {timeout:g}s") from exc
