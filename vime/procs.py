@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +29,27 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_port_run(n: int = 1, host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:
+    """The first of ``n`` consecutive bindable ports, below the kernel's ephemeral range
+    (32768+ on Linux), where no port the OS hands to another process can land between this
+    choice and the bind (engines take base_port + k, chosen before they start)."""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low, high - n)
+        if all(_bindable(host, base + k) for k in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in {low}-{high}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import subprocess
 import threading
@@ -76,12 +75,7 @@ def build_model(out: Path, shape: str, *, gpu: bool) -> Path:
 
 def engine_port() -> int:
     """A free port below the ephemeral range (where another child's random port cannot land)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 30000)
-        if not procs.port_open("127.0.0.1", port):
-            return port
-    raise RuntimeError("no free port in 20000-30000")
+    return procs.free_port_run()
 
 
 @dataclass

@@ -23,15 +23,6 @@ MARK = "VIME_TEST_CLI_MARK"
 TOKEN = "it-cli-token"
 
 
-def free_run(n: int) -> int:
-    """A base port with ``n`` consecutive free ports."""
-    for _ in range(100):
-        base = procs.free_port()
-        if base + n < 65000 and not any(procs.port_open("127.0.0.1", base + k) for k in range(1, n)):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def stack_config(work: Path, **extra: Any) -> dict[str, Any]:
     """The smallest full stack: nano model, one reference engine, 2 prompts × 4 samples."""
     ports = {
@@ -56,7 +47,7 @@ def stack_config(work: Path, **extra: Any) -> dict[str, Any]:
         "colocate": False,
         "model": {"tiny_model_size": "nano"},
         "reward": {"rm_type": "arithmetic", "num_workers": 1},
-        "engine": {"backend": "reference", "base_port": free_run(1), "startup_timeout_s": 240},
+        "engine": {"backend": "reference", "base_port": procs.free_port_run(), "startup_timeout_s": 240},
         "trainer": {"checkpoint_dir": str(work / "checkpoints")},
         "services": {"host": "127.0.0.1", "api_token": TOKEN, **ports},
     }

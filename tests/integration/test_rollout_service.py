@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -119,7 +117,7 @@ def _config(work: Path, redis_url: str) -> dict[str, Any]:
             "n_samples_per_eval_prompt": 4,
         },
         "reward": {"custom_rm_path": "rollout_it_rewards:reward", "num_workers": 1},
-        "engine": {"backend": "reference", "base_port": _free_pair(), "startup_timeout_s": 300},
+        "engine": {"backend": "reference", "base_port": procs.free_port_run(2), "startup_timeout_s": 300},
         "router": {"policy": "round_robin", "health_check_interval_s": 0.5, "health_failure_threshold": 2},
         "services": {
             "host": "127.0.0.1",
@@ -128,26 +126,6 @@ def _config(work: Path, redis_url: str) -> dict[str, Any]:
             "api_token": TOKEN,
         },
     }
-
-
-def _free_pair() -> int:
-    """Two consecutive free ports below the ephemeral range, where other tests' free ports (and
-    outgoing connections) do not land while the engines start."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 30000)
-        if all(_bindable(p) for p in (base, base + 1)):
-            return base
-    raise RuntimeError("no two consecutive free ports")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_cli_support import free_run, stack_config, start_vime, stop_vime, wait_exit, write_config
+from test_cli_support import stack_config, start_vime, stop_vime, wait_exit, write_config
+
+from vime import procs
 
 
 @pytest.mark.timeout(600)
@@ -26,7 +28,7 @@ def test_seed_layout_tp2_dp4_four_engines(tmp_path: Path) -> None:
         rollout_num_engines_cpu=4,
         actor_num_cpu_ranks=8,
         tensor_model_parallel_size=2,
-        engine__base_port=free_run(4),
+        engine__base_port=procs.free_port_run(4),
     )
     mark = uuid.uuid4().hex
     child = start_vime(

@@ -9,7 +9,6 @@ import contextlib
 import itertools
 import json
 import os
-import random
 import signal
 import threading
 import time
@@ -40,16 +39,6 @@ PROBE = {
 }
 
 
-def free_pair() -> int:
-    """Two consecutive free ports below the ephemeral range, where no other child's port is picked."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 30000)
-        if not (procs.port_open("127.0.0.1", base) or procs.port_open("127.0.0.1", base + 1)):
-            return base
-    raise RuntimeError("no two consecutive free ports")
-
-
 def run_config(work: Path, redis_url: str, tp: int) -> dict[str, Any]:
     prompts = work / "prompts.jsonl"
     prompts.write_text(
@@ -77,7 +66,7 @@ def run_config(work: Path, redis_url: str, tp: int) -> dict[str, Any]:
         "model": {"tiny_model_size": "micro"},
         "data": {"prompt_data": str(prompts), "rollout_shuffle": False},
         "reward": {"custom_rm_path": "trainer_it_rewards:reward", "num_workers": 1},
-        "engine": {"backend": "reference", "base_port": free_pair(), "startup_timeout_s": 300},
+        "engine": {"backend": "reference", "base_port": procs.free_port_run(2), "startup_timeout_s": 300},
         "router": {"health_check_interval_s": 0.5},
         "trainer": {"lr": 3e-3, "checkpoint_dir": str(work / "ckpt"), "weight_dir": str(work / "shm")},
         "services": {
