@@ -26,6 +26,15 @@ from vime.wire.vllm import GENERATE_PATH
 
 RETRYABLE_GENERATE_STATUS = frozenset({502, 503, 504})
 """Router answers that mean "no engine could take it now" (an engine died before its ejection)."""
+UPSTREAM_FAILED = "Request failed: "
+"""How vllm-router words a 500 when its own request to the engine failed in transport (the engine
+died or refused the connection: nothing was generated), unlike an engine's own 500, which it
+passes through as the engine wrote it."""
+
+
+def retryable_generate(status: int, message: str) -> bool:
+    """Whether no engine produced anything, so the same request may be sent again."""
+    return status in RETRYABLE_GENERATE_STATUS or (status == 500 and message.startswith(UPSTREAM_FAILED))
 
 
 class RouterClient(ServiceClient):
@@ -101,9 +110,9 @@ class RouterClient(ServiceClient):
 class RouterDataClient:
     """Generate requests through the router's public port, one pooled aiohttp session.
 
-    Connection failures and 502/503/504 are retried with backoff (``attempts`` in all): those mean
-    no engine produced anything, so the request is sent again, through the router, to another
-    engine. Any other status raises `ServiceCallError` at once.
+    Connection failures, 502/503/504 and vllm-router's transport 500s are retried with backoff
+    (``attempts`` in all): those mean no engine produced anything, so the request is sent again,
+    through the router, to another engine. Any other status raises `ServiceCallError` at once.
     """
 
     def __init__(
@@ -163,7 +172,7 @@ class RouterDataClient:
                             raise ServiceCallError("POST", url, 200, f"not a JSON object: {str(out)[:200]}")
                         return out
                     text = await r.text()
-                    if r.status not in RETRYABLE_GENERATE_STATUS:
+                    if not retryable_generate(r.status, _message(text)):
                         raise ServiceCallError("POST", url, r.status, _message(text), body=text)
                     last = f"HTTP {r.status}: {_message(text)}"
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:

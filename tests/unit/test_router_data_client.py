@@ -1,0 +1,65 @@
+"""The data-plane client resends a generate only when no engine produced anything: connection
+failures, 502/503/504, and vllm-router's 500 for a request it could not deliver (an engine killed
+mid-rollout). An engine's own 500 is an answer and fails at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp import web
+
+from vime import procs
+from vime.clients.base import ServiceCallError
+from vime.clients.router import RouterDataClient, retryable_generate
+from vime.wire.vllm import GENERATE_PATH
+
+DELIVERY_FAILED = (
+    "Request failed: error sending request for url (http://127.0.0.1:20426/inference/v1/generate)"
+)
+ENGINE_ERROR = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError"}}
+
+
+@asynccontextmanager
+async def router_answering(replies: list[web.Response]) -> AsyncIterator[tuple[str, list[int]]]:
+    """A stand-in router that gives ``replies`` in turn, then 200s; yields (url, calls)."""
+    calls: list[int] = []
+
+    async def generate(_: web.Request) -> web.Response:
+        calls.append(1)
+        return replies.pop(0) if replies else web.json_response({"choices": [{"token_ids": [1]}]})
+
+    app = web.Application()
+    app.router.add_post(GENERATE_PATH, generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = procs.free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", calls
+    finally:
+        await runner.cleanup()
+
+
+def test_which_answers_are_resent() -> None:
+    assert retryable_generate(502, "") and retryable_generate(503, "") and retryable_generate(504, "")
+    assert retryable_generate(500, DELIVERY_FAILED)
+    assert not retryable_generate(500, "EngineCore encountered an issue")
+    assert not retryable_generate(400, DELIVERY_FAILED)
+
+
+def test_a_delivery_failure_is_sent_again_and_an_engine_error_is_not() -> None:
+    async def main() -> None:
+        lost = [web.Response(status=500, text=DELIVERY_FAILED), web.Response(status=503, text="no workers")]
+        async with router_answering(lost) as (url, calls), RouterDataClient(url, backoff_s=0.01) as c:
+            out = await c.generate([1, 2], {"max_tokens": 1})
+        assert out["choices"][0]["token_ids"] == [1] and len(calls) == 3
+        failing = [web.json_response(ENGINE_ERROR, status=500)]
+        async with router_answering(failing) as (url, calls), RouterDataClient(url, backoff_s=0.01) as c:
+            with pytest.raises(ServiceCallError, match="EngineCore encountered an issue"):
+                await c.generate([1, 2], {"max_tokens": 1})
+        assert len(calls) == 1
+
+    asyncio.run(main())
