@@ -28,8 +28,10 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _pytest(*paths: str) -> list[str]:
-    return ["-m", "pytest", *paths]
+def _pytest_step(name: str, doc: str, *paths: str, timeout_s: float, expect_s: float) -> Step:
+    """Tests run alike on the GPU and in the dry run (each picks its CPU stand-ins without a GPU)."""
+    args = ["-m", "pytest", *paths]
+    return Step(name, doc, args, list(args), timeout_s=timeout_s, expect_s=expect_s, pytest=True)
 
 
 def _args(text: str) -> list[str]:
@@ -39,32 +41,27 @@ def _args(text: str) -> list[str]:
 STEPS: dict[str, Step] = {
     s.name: s
     for s in [
-        Step(
+        _pytest_step(
             "contract",
             "the engine contract suite against real vllm serve (IPC pusher), started by the rollout manager's command builder",
-            _pytest("tests/gpu/test_vllm_contract.py"),
-            _pytest("tests/gpu/test_vllm_contract.py"),
+            "tests/gpu/test_vllm_contract.py",
             timeout_s=300,
             expect_s=160,
-            pytest=True,
         ),
-        Step(
+        _pytest_step(
             "megatron",
             "Megatron logits vs HF within bf16 noise (TP=1; TP=2 on 2 GPUs) + the backend's own GPU test",
-            _pytest("tests/gpu/test_megatron_logits.py", "tests/gpu/test_megatron_gpu.py"),
-            _pytest("tests/gpu/test_megatron_logits.py", "tests/gpu/test_megatron_gpu.py"),
+            "tests/gpu/test_megatron_logits.py",
+            "tests/gpu/test_megatron_gpu.py",
             timeout_s=240,
             expect_s=100,
-            pytest=True,
         ),
-        Step(
+        _pytest_step(
             "loop",
             "the colocated loop, 3 rollouts, real vLLM + Megatron + IPC: versions, mismatch, memory order",
-            _pytest("tests/gpu/test_colocated_loop.py"),
-            _pytest("tests/gpu/test_colocated_loop.py"),
+            "tests/gpu/test_colocated_loop.py",
             timeout_s=420,
             expect_s=210,
-            pytest=True,
         ),
         Step(
             "bench_sync",
