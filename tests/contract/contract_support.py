@@ -47,7 +47,7 @@ import httpx
 import torch
 
 from vime.clients.engine import EngineClient
-from vime.wire.engine import EngineInfo
+from vime.wire.engine import EngineInfo, logprobs_mode_in
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,15 @@ def logprobs_mode_of(url: str) -> str:
     if r.status_code == 404:
         return "raw_logprobs"
     try:
-        return str(r.json()["vllm_config"]["model_config"]["logprobs_mode"])
-    except (ValueError, KeyError, TypeError):
+        mode = logprobs_mode_in(r.json())
+    except ValueError:  # not JSON
+        mode = None
+    if mode is None:
         raise RuntimeError(
             f"GET {url}/server_info answered {r.status_code} without model_config.logprobs_mode: "
             "set VIME_CONTRACT_LOGPROBS_MODE to the engine's --logprobs-mode"
-        ) from None
+        )
+    return mode
 
 
 class HFReference:

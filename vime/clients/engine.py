@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 from vime.clients.base import ServiceCallError, ServiceClient
-from vime.wire.engine import EngineInfo, PauseMode
+from vime.wire.engine import EngineInfo, PauseMode, logprobs_mode_in
 from vime.wire.engine_metrics import FINISHED, metric_sum
 from vime.wire.vllm import GENERATE_PATH, GenerateResult, parse_generate_response
 
@@ -187,8 +187,8 @@ class EngineClient(ServiceClient):
         if response.status_code != 200:
             return None
         try:
-            return str(response.json()["vllm_config"]["model_config"]["logprobs_mode"])
-        except (ValueError, KeyError, TypeError):
+            return logprobs_mode_in(response.json())
+        except ValueError:  # not JSON
             return None
 
     async def weight_version(self) -> str | None:

@@ -47,6 +47,15 @@ def shm_update_info(path: str | Path) -> dict[str, str]:
     return {"backend": SHM_BACKEND, "path": str(path)}
 
 
+def logprobs_mode_in(server_info: Any) -> str | None:
+    """The ``--logprobs-mode`` in the body of vLLM's dev-mode ``GET /server_info?config_format=json``
+    (the reference engine answers the same shape); None when the body does not hold it."""
+    try:
+        return str(server_info["vllm_config"]["model_config"]["logprobs_mode"])
+    except (KeyError, TypeError):
+        return None
+
+
 def engine_request_id(request_id: str) -> str:
     """The id vLLM tracks (and ``/abort_requests`` takes) for a generate request sent with ``request_id``."""
     return request_id if request_id.startswith(GENERATE_ID_PREFIX) else GENERATE_ID_PREFIX + request_id
