@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from vime_rollout.engines.commands import LOGPROBS_MODE, EngineCommand
-from vime_rollout.engines.control import EngineControl, healthy, normalize_wake_tags
+from vime_rollout.engines.control import HEALTH_TIMEOUT_S, EngineControl, healthy, normalize_wake_tags
 from vime_rollout.engines.launchers import Launcher
 from vime_rollout.engines.records import LIVE, EngineRecord, EngineStatus, UpdateLock
 from vime_rollout.engines.spec import EngineSpec
@@ -137,11 +137,12 @@ class EngineGroup:
         rec.registered = False
 
     async def finished_requests(self) -> dict[str, float]:
-        """Each live engine's finished-request counter (engines that do not say are left out)."""
+        """Each live engine's finished-request counter (engines that do not say, or not within
+        `HEALTH_TIMEOUT_S`, are left out)."""
 
         async def one(rec: EngineRecord) -> float | None:
-            try:
-                return await rec.control.finished_requests()
+            try:  # bounded like a health probe: a stuck /metrics must not hold the rollout up
+                return await asyncio.wait_for(rec.control.finished_requests(), HEALTH_TIMEOUT_S)
             except Exception:  # a metric is not worth failing a rollout over
                 return None
 
