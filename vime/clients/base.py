@@ -18,6 +18,8 @@ import httpx
 log = logging.getLogger("vime.clients")
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+"""Gateway answers meaning no upstream produced a reply (the router's data plane too: an engine
+died before its ejection), so an idempotent request may be sent again."""
 
 
 class ServiceUnreachable(ConnectionError):

@@ -13,7 +13,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vime.clients.base import ServiceCallError, ServiceClient, ServiceUnreachable
+from vime.clients.base import RETRYABLE_STATUS, ServiceCallError, ServiceClient, ServiceUnreachable
 from vime.wire.router import (
     SESSION_HEADER,
     DataPlaneStatus,
@@ -24,8 +24,6 @@ from vime.wire.router import (
 )
 from vime.wire.vllm import GENERATE_PATH
 
-RETRYABLE_GENERATE_STATUS = frozenset({502, 503, 504})
-"""Router answers that mean "no engine could take it now" (an engine died before its ejection)."""
 UPSTREAM_FAILED = "Request failed: "
 """How vllm-router words a 500 when its own request to the engine failed in transport (the engine
 died or refused the connection: nothing was generated), unlike an engine's own 500, which it
@@ -34,7 +32,7 @@ passes through as the engine wrote it."""
 
 def retryable_generate(status: int, message: str) -> bool:
     """Whether no engine produced anything, so the same request may be sent again."""
-    return status in RETRYABLE_GENERATE_STATUS or (status == 500 and message.startswith(UPSTREAM_FAILED))
+    return status in RETRYABLE_STATUS or (status == 500 and message.startswith(UPSTREAM_FAILED))
 
 
 class RouterClient(ServiceClient):
