@@ -31,6 +31,7 @@ from test_cli_support import survivors
 
 from vime import procs
 from vime.launch.orphans import descendants
+from vime.models.tiny import ensure_tiny_qwen3
 
 TOKEN = "shutdown-token"
 ENGINES = {
@@ -176,7 +177,11 @@ def _no_ray_left(watch: Watch, child: procs.Child) -> None:
 
 @pytest.fixture
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "models"
+    """The model cache, with the nano model built (else ``POST /v1/runs`` builds it and its 5 s
+    client timeout may run out when this module runs on its own)."""
+    cache = tmp_path_factory.getbasetemp() / "models"
+    ensure_tiny_qwen3(cache, "nano")
+    return cache
 
 
 def test_sigterm_to_the_service_stops_its_ray(
