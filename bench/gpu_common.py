@@ -22,6 +22,7 @@ import json
 import random
 import statistics
 import string
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -116,15 +117,26 @@ def train_batches(args: argparse.Namespace, cfg: RunConfig, vocab: int) -> list[
 
 
 def timed_steps(group: Any, rbs: list[Any], steps: int) -> tuple[list[float], dict[str, Any]]:
-    """``steps`` GRPO steps, one more first (the warm-up), on started ranks: the seconds of each
-    (warm-up included) and the last step's metrics."""
+    """``steps`` GRPO steps, one more first (the warm-up), on started ranks that read each step's
+    batch from a private Redis as in a run (published before the clock starts): the seconds of
+    each (warm-up included) and the last step's metrics."""
+    from tests.support.megatron import Publisher
+
     times, metrics = [], {}
-    for step in range(steps + 1):
-        for rb in rbs:
-            rb.rollout_id = step
-        t0 = time.perf_counter()
-        metrics = group.train(step, rbs)[0]
-        times.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as data:
+        port = procs.free_port()
+        redis = procs.start_redis(port, data, appendonly=False)
+        try:
+            publish = Publisher(f"redis://127.0.0.1:{port}/0")
+            for step in range(steps + 1):
+                for rb in rbs:
+                    rb.rollout_id = step
+                ref = publish(rbs)
+                t0 = time.perf_counter()
+                metrics = group.train(ref).steps[0]
+                times.append(time.perf_counter() - t0)
+        finally:
+            redis.stop()
     return times, metrics
 
 

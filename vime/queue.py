@@ -242,16 +242,7 @@ class BatchConsumer:
                 f"batch {batch_id} was split for DP size {meta['dp_size']}, this is rank {self.dp_rank}: "
                 "the trainer's DP size must match the rollout manager's"
             )
-        key = meta["blob_prefix"] + str(self.dp_rank)
-        blob = await self._r.get(key)
-        if blob is None:
-            raise BatchTransportError(f"batch {batch_id} (entry {_text(entry_id)}): blob {key} is missing")
-        batch = decode_rank_batch(cast(bytes, blob))  # decode_responses=False
-        if (batch.batch_id, batch.dp_rank) != (batch_id, self.dp_rank):
-            raise BatchTransportError(
-                f"blob {key} holds batch {batch.batch_id} rank {batch.dp_rank}, "
-                f"not batch {batch_id} rank {self.dp_rank}"
-            )
+        batch = await get_share(self._r, meta["blob_prefix"] + str(self.dp_rank), batch_id, self.dp_rank)
         self._handed[batch_id] = entry_id
         return batch
 
@@ -285,6 +276,20 @@ class BatchConsumer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def get_share(r: aioredis.Redis, key: str, batch_id: str, dp_rank: int) -> RankBatch:
+    """Rank ``dp_rank``'s share of ``batch_id`` from its blob ``key`` (`blob_prefix` + rank),
+    checked to be that share."""
+    blob = await r.get(key)
+    if blob is None:
+        raise BatchTransportError(f"batch {batch_id}: blob {key} is missing")
+    batch = decode_rank_batch(cast(bytes, blob))  # decode_responses=False
+    if (batch.batch_id, batch.dp_rank) != (batch_id, dp_rank):
+        raise BatchTransportError(
+            f"blob {key} holds batch {batch.batch_id} rank {batch.dp_rank}, not batch {batch_id} rank {dp_rank}"
+        )
+    return batch
 
 
 def _check_shares(run_id: str, batch: RolloutBatch, rank_batches: Sequence[RankBatch]) -> None:

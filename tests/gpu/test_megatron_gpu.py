@@ -16,7 +16,7 @@ import torch
 from vime_trainer.megatron.actor_group import ActorGroup
 from vime_trainer.weights.hf_checkpoint import HFReader
 
-from tests.support.megatron import SEED_ADVANTAGE, local_ray, one, rollout_batch, run_config, split
+from tests.support.megatron import SEED_ADVANTAGE, Publisher, local_ray, one, rollout_batch, run_config, split
 from vime.config import RunConfig
 from vime.models.tiny import build_tiny_qwen3
 
@@ -43,8 +43,11 @@ def _gpu_config(tmp: Path, gpus: int, tp: int) -> RunConfig:
     return run_config(tmp, tp=tp, actor_num_gpus_per_node=gpus, trainer=trainer)
 
 
-def test_bf16_training_sleep_export_and_resume(ray_cluster: None, bf16_model: Path, tmp_path: Path) -> None:
+def test_bf16_training_sleep_export_and_resume(
+    ray_cluster: None, bf16_model: Path, redis_url: str, tmp_path: Path
+) -> None:
     cfg = _gpu_config(tmp_path, gpus=1, tp=1)
+    publish = Publisher(redis_url)
     group = ActorGroup(cfg, str(bf16_model))
     group.start()
     try:
@@ -52,7 +55,7 @@ def test_bf16_training_sleep_export_and_resume(ray_cluster: None, bf16_model: Pa
         original = HFReader(bf16_model).state_dict()
         assert all(np.array_equal(exported[k], v.float().numpy()) for k, v in original.items())
 
-        (step,) = group.train(0, split(cfg, rollout_batch(cfg, 0, [SEED_ADVANTAGE] * 8)))
+        (step,) = group.train(publish(split(cfg, rollout_batch(cfg, 0, [SEED_ADVANTAGE] * 8)))).steps
         assert step["loss"] == pytest.approx(-SEED_ADVANTAGE, abs=1e-6)  # ratio exactly 1, fp32 log-probs
         assert np.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
 
@@ -67,7 +70,7 @@ def test_bf16_training_sleep_export_and_resume(ray_cluster: None, bf16_model: Pa
         assert np.array_equal(one(group.call("logits", TOKENS)), before)
 
         path = group.save(0, {"weight_version": 2})
-        group.train(1, split(cfg, rollout_batch(cfg, 1)))
+        group.train(publish(split(cfg, rollout_batch(cfg, 1))))
         assert group.load(path) is not None
         assert np.array_equal(one(group.call("logits", TOKENS)), before)
     finally:
@@ -75,15 +78,18 @@ def test_bf16_training_sleep_export_and_resume(ray_cluster: None, bf16_model: Pa
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_on_two_gpus_matches_tp1(ray_cluster: None, bf16_model: Path, tmp_path: Path) -> None:
+def test_tp2_on_two_gpus_matches_tp1(
+    ray_cluster: None, bf16_model: Path, redis_url: str, tmp_path: Path
+) -> None:
     logits, losses = [], []
+    publish = Publisher(redis_url)
     for tp in (1, 2):
         cfg = _gpu_config(tmp_path / f"tp{tp}", gpus=tp, tp=tp)
         group = ActorGroup(cfg, str(bf16_model))
         group.start()
         try:
             logits.append(one(group.call("logits", TOKENS)))
-            losses.append(group.train(0, split(cfg, rollout_batch(cfg, 0)))[0])
+            losses.append(group.train(publish(split(cfg, rollout_batch(cfg, 0)))).steps[0])
         finally:
             group.shutdown()
     assert np.abs(logits[0] - logits[1]).max() < 0.1  # bf16 matmuls split differently

@@ -19,7 +19,7 @@ from vime_trainer.weights.hf_checkpoint import HFReader
 from vime_trainer.weights.shm import read_bucket
 
 from tests.support.hf_models import build_hf
-from tests.support.megatron import hf_logits, one, rollout_batch, run_config, split
+from tests.support.megatron import Publisher, hf_logits, one, rollout_batch, run_config, split
 
 TOKENS = np.random.default_rng(3).integers(0, 128, size=(2, 17))
 
@@ -30,28 +30,28 @@ def _started(cfg, checkpoint: Path) -> ActorGroup:  # type: ignore[no-untyped-de
     return group
 
 
-def _train(group: ActorGroup, rollout_id: int) -> dict[str, float]:
+def _train(group: ActorGroup, publish: Publisher, rollout_id: int) -> dict[str, float]:
     cfg = group.config
-    (step,) = group.train(rollout_id, split(cfg, rollout_batch(cfg, rollout_id, seed=100 + rollout_id)))
+    (step,) = group.train(publish(split(cfg, rollout_batch(cfg, rollout_id, seed=100 + rollout_id)))).steps
     return step
 
 
 @pytest.mark.slow
 def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
-    ray_cluster: None, qwen3: Path, tmp_path: Path
+    ray_cluster: None, qwen3: Path, publish: Publisher, tmp_path: Path
 ) -> None:
     cfg = run_config(tmp_path, trainer={"lr": 1e-2})
     straight = _started(cfg, qwen3)
     try:
         assert straight.load() is None  # nothing to resume from yet
-        expected = [_train(straight, r) for r in range(3)]
+        expected = [_train(straight, publish, r) for r in range(3)]
         expected_logits = one(straight.call("logits", TOKENS))
     finally:
         straight.shutdown()
 
     first = _started(cfg, qwen3)
     try:
-        got = [_train(first, 0)]
+        got = [_train(first, publish, 0)]
         before = one(first.call("logits", TOKENS))
         freed = first.call("sleep")
         assert freed[0] > 0
@@ -59,7 +59,7 @@ def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
         first.wake_up()
         assert np.array_equal(one(first.call("logits", TOKENS)), before)
         first.sleep()  # train() wakes the ranks itself (seed step 37)
-        got.append(_train(first, 1))
+        got.append(_train(first, publish, 1))
         path = first.save(1, {"data_position": 16, "weight_version": 3})
     finally:
         first.shutdown()
@@ -76,7 +76,7 @@ def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
             and loaded["next_rollout_id"] == 2
             and loaded["run_state"]["data_position"] == 16
         )
-        got.append(_train(resumed, 2))
+        got.append(_train(resumed, publish, 2))
         assert np.array_equal(one(resumed.call("logits", TOKENS)), expected_logits)
     finally:
         resumed.shutdown()
@@ -95,7 +95,9 @@ def test_incomplete_checkpoint_is_skipped(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_weight_export_at_tp2_is_bit_exact(ray_cluster: None, qwen3: Path, tmp_path: Path) -> None:
+def test_weight_export_at_tp2_is_bit_exact(
+    ray_cluster: None, qwen3: Path, publish: Publisher, tmp_path: Path
+) -> None:
     cfg = run_config(tmp_path, tp=2, ranks=2, trainer={"lr": 1e-2, "packed_buffer_size_bytes": 16384})
     original = HFReader(qwen3).state_dict()
     group = _started(cfg, qwen3)
@@ -109,7 +111,7 @@ def test_weight_export_at_tp2_is_bit_exact(ray_cluster: None, qwen3: Path, tmp_p
         assert merged.keys() == original.keys()
         assert all(torch.equal(merged[k], v) for k, v in original.items())
 
-        _train(group, 0)
+        _train(group, publish, 0)
         trained = one(group.call("hf_state_dict"))
         logits = one(group.call("logits", TOKENS))
         path = group.save(0, {})
@@ -170,7 +172,7 @@ def test_export_command_reports_a_missing_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "tie", "tp"), [("qwen2", True, 2), ("llama", False, 1)])
 def test_qwen2_and_llama_load_exactly(
-    ray_cluster: None, tmp_path: Path, family: str, tie: bool, tp: int
+    ray_cluster: None, publish: Publisher, tmp_path: Path, family: str, tie: bool, tp: int
 ) -> None:
     checkpoint = build_hf(tmp_path / family, family, tie, seed=1)
     cfg = run_config(tmp_path, tp=tp, ranks=tp)
@@ -178,7 +180,7 @@ def test_qwen2_and_llama_load_exactly(
     try:
         logits = one(group.call("logits", TOKENS))
         exported = one(group.call("hf_state_dict"))
-        step = _train(group, 0)
+        step = _train(group, publish, 0)
     finally:
         group.shutdown()
     diff = np.abs(logits - hf_logits(checkpoint, TOKENS)).max()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from vime_trainer.megatron.actor_group import ActorGroup
 
-from tests.support.megatron import rollout_batch, run_config, split
+from tests.support.megatron import Publisher, rollout_batch, run_config, split
 from vime.batch import RankBatch
 
 TEMPERATURE = 0.7
@@ -48,7 +48,7 @@ def sample_mean_of_token_means(values: list[np.ndarray], rb: RankBatch) -> float
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_log_probs_and_entropy_are_of_logits_over_the_rollout_temperature(
-    ray_cluster: None, qwen3: Path, tmp_path: Path, tp: int
+    ray_cluster: None, qwen3: Path, publish: Publisher, tmp_path: Path, tp: int
 ) -> None:
     cfg = run_config(tmp_path, tp=tp, ranks=tp, rollout_temperature=TEMPERATURE)
     (rb,) = split(cfg, rollout_batch(cfg, 0, seed=11))
@@ -56,7 +56,7 @@ def test_log_probs_and_entropy_are_of_logits_over_the_rollout_temperature(
     group.start()
     try:
         got = np.concatenate(group.call("log_probs", rb)[0])  # every TP rank of the last stage answers
-        (step,) = group.train(0, [rb])
+        (step,) = group.train(publish([rb])).steps
     finally:
         group.shutdown()
     tempered = hf_response_stats(qwen3, rb, TEMPERATURE)

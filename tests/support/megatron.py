@@ -1,19 +1,26 @@
-"""Helpers of the Megatron trainer tests: Ray, configs, rank batches, and an independent HF reference step."""
+"""Helpers of the Megatron trainer tests: Ray, configs, rank batches published to Redis, and an
+independent HF reference step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import itertools
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
+from vime_trainer.batches import BatchRef
 
 from vime.algorithms import build_dp_schedule
 from vime.batch import RankBatch, RolloutBatch, split_by_dp
 from vime.config import RunConfig, load_config
+from vime.queue import BatchPublisher
 from vime.types import Sample, SampleStatus
 
 SEED_ADVANTAGE = 0.9354  # seed step 30: rewards [1,0,0,1,1,0,1,0] normalise to ±0.9354
@@ -100,6 +107,35 @@ def split(cfg: RunConfig, batch: RolloutBatch, dp_size: int | None = None) -> li
         batch.total_lengths().tolist(), cfg.global_batch_size or 0, cfg.micro_batch_size, dp
     )
     return split_by_dp(batch, schedule)
+
+
+class Publisher:
+    """Publishes rank batches to Redis as the rollout manager does, each under a fresh batch id on
+    a stream of its own, and returns the `BatchRef` the ranks read them by (`ActorGroup.train`)."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self.stream = f"test-{uuid.uuid4().hex[:8]}"
+        self._ids = itertools.count()
+
+    def __call__(self, shares: Sequence[RankBatch]) -> BatchRef:
+        batch_id = f"{self.stream}:{next(self._ids)}"
+        shares = [replace(s, batch_id=batch_id, run_id=self.stream) for s in shares]
+        first = shares[0]
+        whole = SimpleNamespace(  # what the publisher checks of the whole batch
+            batch_id=batch_id,
+            run_id=self.stream,
+            rollout_id=first.rollout_id,
+            weight_version=first.weight_version,
+            num_samples=sum(s.num_samples for s in shares),
+        )
+
+        async def publish() -> None:
+            async with BatchPublisher(self.redis_url, self.stream) as pub:
+                await pub.publish(whole, shares)  # type: ignore[arg-type]
+
+        asyncio.run(publish())
+        return BatchRef(self.redis_url, self.stream, batch_id, first.rollout_id)
 
 
 def with_rollout_log_probs(rb: RankBatch, log_probs: np.ndarray) -> RankBatch:

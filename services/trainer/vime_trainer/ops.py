@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from vime.batch import RankBatch
 from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
 from vime.wire.rollout import EngineInfo, MemoryResult, RolloutJob
 from vime.wire.trainer import CheckpointResult, PushResult
-from vime_trainer.batches import BatchReader
+from vime_trainer.batches import BatchRef, ShareSummary, TrainResult, log_skipped
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
@@ -38,13 +37,13 @@ class RunStopped(Exception):
 
 
 class Backend(Protocol):
-    """The part of `vime_trainer.megatron.actor_group.TrainerBackend` the loop uses."""
+    """What the loop uses of the training ranks (`vime_trainer.megatron.actor_group.ActorGroup`)."""
 
     @property
     def dp_size(self) -> int: ...
     def start(self) -> None: ...
-    def train(self, rollout_id: int, rank_batches: Sequence[RankBatch]) -> list[dict[str, float]]: ...
-    def train_sft(self, rank_batches: Sequence[RankBatch]) -> list[dict[str, float]]: ...
+    def train(self, ref: BatchRef) -> TrainResult: ...
+    def train_sft(self, ref: BatchRef) -> TrainResult: ...
     def sleep(self) -> None: ...
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
     def load(self, path: str | None = None) -> dict[str, Any] | None: ...
@@ -60,21 +59,20 @@ class RunOps:
         rollout: RolloutClient,
         backend: Backend,
         make_sync: Callable[[Backend], WeightSync],
-        make_batches: Callable[[int], BatchReader],
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.rollout = rollout
         self.backend = backend
         self.make_sync = make_sync
-        self.make_batches = make_batches
+        self.redis_url = self.cfg.services.redis_url or ""
+        """Where the rollout manager publishes the batches the ranks read."""
         self.events = ctx.events
         self.version = 0
         """Version of the weights the engines hold."""
         self.start_version = 0
         """What the engines held when this run (re)started (`should_flush_cache`)."""
         self.sync: WeightSync | None = None
-        self.batches: BatchReader | None = None
 
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
     async def wait_rollout_manager(self, timeout_s: float = 900.0) -> list[EngineInfo]:
@@ -102,7 +100,6 @@ class RunOps:
         await asyncio.to_thread(self.backend.start)
         dp = self.backend.dp_size
         self.events.record("trainer.start", dp_size=dp, world_size=self.cfg.train_world_size)
-        self.batches = self.make_batches(dp)
         self.sync = self.make_sync(self.backend)
         if not resume:
             return None
@@ -153,30 +150,35 @@ class RunOps:
         return job
 
     async def train(self, rollout_id: int, job: RolloutJob) -> dict[str, float]:
-        """Steps 37–42: read every DP rank's share, train, sleep, ack, report training completed."""
-        assert self.batches is not None, "start_trainer first"
-        shares = await self.batches.read(job.run_id or "", job.batch_id or "", rollout_id)
+        """Steps 37–42: the ranks read their shares of the rollout's batch from Redis, train and
+        ack them; the trainer sleeps; training completed."""
         self.events.record("trainer.train", batch_id=job.batch_id)
-        steps = await asyncio.to_thread(self.backend.train, rollout_id, shares)
+        ref = BatchRef(self.redis_url, job.run_id or "", job.batch_id or "", rollout_id)
+        result = await asyncio.to_thread(self.backend.train, ref)
+        self._skipped(result, ref)
         await self.trainer_sleep()
-        await self.batches.ack(job.batch_id or "")
         done = await self.rollout.training_completed(rollout_id)
         self.events.record("rollout.training_completed", pending_batches=done.pending_batches)
-        return {**train_metrics(steps), **batch_metrics(shares)}
+        return {**train_metrics(result.steps), **batch_metrics(result.shares)}
 
     async def sft_step(self, step: int, steps: int) -> dict[str, float]:
         """One supervised warm-up step: the rollout manager publishes prompts with their labels as
         responses (its data source has them), the ranks take the cross-entropy of the labels."""
-        assert self.batches is not None, "start_trainer first"
         t0 = time.perf_counter()
         reply = await self.rollout.sft_batch(step, dp_size=self.backend.dp_size)
-        shares = await self.batches.read(reply.run_id, reply.batch_id, step)
-        metrics = train_metrics(await asyncio.to_thread(self.backend.train_sft, shares), prefix="sft")
-        await self.batches.ack(reply.batch_id)
+        ref = BatchRef(self.redis_url, reply.run_id, reply.batch_id, step)
+        result = await asyncio.to_thread(self.backend.train_sft, ref)
+        self._skipped(result, ref)
+        metrics = train_metrics(result.steps, prefix="sft")
         seconds = time.perf_counter() - t0
         loss = metrics.get("sft/loss", float("nan"))
         self.events.record("sft.step", step=step, steps=steps, loss=round(loss, 5), seconds=round(seconds, 3))
         return {**metrics, **reply.metrics, "sft/seconds": seconds}
+
+    def _skipped(self, result: TrainResult, ref: BatchRef) -> None:
+        if result.skipped:
+            log_skipped(result.skipped, ref)
+            self.events.record("trainer.skipped", batches=[b for b, _ in result.skipped])
 
     # --- weight sync (seed steps 44–53) -------------------------------------------------------
     async def pause_admission(self) -> bool:
@@ -275,8 +277,6 @@ class RunOps:
         return dict(job.metrics)
 
     async def close(self) -> None:
-        if self.batches is not None:
-            await self.batches.aclose()
         await asyncio.to_thread(self.backend.shutdown)
 
 
@@ -288,14 +288,14 @@ def train_metrics(steps: list[dict[str, float]], prefix: str = "train") -> dict[
     return out
 
 
-def batch_metrics(shares: Sequence[RankBatch]) -> dict[str, float]:
+def batch_metrics(shares: Sequence[ShareSummary]) -> dict[str, float]:
     """What the trained samples carried: their count, the weight versions that generated them, and
     how they were split (seed: 4 DP ranks × 64 samples in 8 micro-batches each)."""
-    versions = [int(v) for s in shares for v in s.weight_versions]
-    per_rank = [float(s.num_samples) for s in shares] or [0.0]
-    micro = [float(sum(s.num_microbatches)) for s in shares] or [0.0]
+    versions = [v for s in shares for v in s.weight_versions]
+    per_rank = [float(s.samples) for s in shares] or [0.0]
+    micro = [float(s.micro_batches) for s in shares] or [0.0]
     return {
-        "batch/samples": float(sum(s.num_samples for s in shares)),
+        "batch/samples": float(sum(s.samples for s in shares)),
         "batch/weight_version_min": float(min(versions, default=-1)),
         "batch/weight_version_max": float(max(versions, default=-1)),
         "batch/dp_ranks": float(len(shares)),

@@ -20,7 +20,6 @@ from vime.clients.rollout import RolloutClient
 from vime.config import ConfigError, RunConfig
 from vime.service import ServiceError
 from vime.wire.trainer import ACTIVE_STATES, RunRequest, RunState, StepRecord
-from vime_trainer.batches import BatchReader
 from vime_trainer.controller import Controller
 from vime_trainer.events import EventLog
 from vime_trainer.ops import Backend, RunOps
@@ -70,13 +69,11 @@ class RunHandle:
         self.ctx = RunContext(run_id, cfg, EventLog(self.record.events_path))
         services = cfg.services
         self.rollout = RolloutClient(services.url("rollout"), token=services.token())
-        redis_url = services.redis_url or ""
         self.ops = RunOps(
             self.ctx,
             self.rollout,
             backend,
             make_sync=lambda b: WeightSync(make_transport(cfg, b), on_event=self.ctx.events.record),
-            make_batches=lambda dp: BatchReader(redis_url, dp),
         )
         self.controller = Controller(self.ctx, self.ops)
         self.on_step = on_step

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine_fakes import FakeEngines, FakeTransport
-from trainer_fakes import FakeBackend, FakeBatches, FakeRollout
+from trainer_fakes import FakeBackend, FakeRollout
 from vime_trainer.runs import RunHandle
 from vime_trainer.weight_sync import WeightSync
 
@@ -38,7 +38,6 @@ def _handle(
     handle.ops.make_sync = lambda b: WeightSync(
         transport, on_event=handle.ctx.events.record, client_factory=engines.client, reset_interval_s=0
     )
-    handle.ops.make_batches = lambda dp: FakeBatches(rollout, dp)  # type: ignore[assignment,return-value]
     return handle
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from engine_fakes import FakeEngines, FakeTransport
-from trainer_fakes import FakeBackend, FakeBatches, FakeRollout
+from trainer_fakes import FakeBackend, FakeRollout
 from vime_trainer.controller import Controller
 from vime_trainer.events import EventLog
 from vime_trainer.ops import RunError, RunOps
@@ -40,8 +40,8 @@ class Run:
             self.engines.urls(), offloaded=bool(self.cfg.offload_rollout), version=version
         )
         self.backend = backend or FakeBackend()
+        self.backend.version = lambda: self.rollout.version  # batches carry what the engines held
         self.transport = FakeTransport(2)
-        self.batches: list[FakeBatches] = []
         self.ops = RunOps(
             self.ctx,
             self.rollout,  # type: ignore[arg-type]
@@ -52,15 +52,10 @@ class Run:
                 client_factory=self.engines.client,
                 reset_interval_s=0,
             ),
-            make_batches=self._batches,
         )
         self.controller = Controller(self.ctx, self.ops)
         self.steps: list[Any] = []
         self.controller.on_step = self.steps.append  # type: ignore[method-assign]
-
-    def _batches(self, dp: int) -> Any:
-        self.batches.append(FakeBatches(self.rollout, dp))
-        return self.batches[-1]
 
     async def go(self) -> RunState:
         return await self.controller.run()
@@ -102,12 +97,28 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
     assert [s.weight_version for s in run.steps] == [2, 3]
     assert run.backend.checkpoints[1]["run_state"]["weight_version"] == 3  # published next as v3
     assert run.ctx.status.next_rollout_id == 2 and run.ctx.status.steps_done == 2
-    assert run.rollout.admission_paused and run.batches[0].acked == ["mgr:0:0", "mgr:1:0"]
-    assert run.batches[0].read_from == ["mgr", "mgr"]  # the stream named by the rollout's reply
+    assert run.rollout.admission_paused
+    refs = [(r.run_id, r.batch_id, r.rollout_id) for r in run.backend.refs]
+    assert refs == [("mgr", "mgr:0:0", 0), ("mgr", "mgr:1:0", 1)]  # the stream named by the rollout's reply
     t = run.steps[0].timings
     assert t.step_s == pytest.approx(
         t.rollout_s + t.offload_s + t.train_s + t.onload_weights_s + t.weight_sync_s + t.onload_kv_s
     )
+
+
+async def test_batches_the_ranks_skipped_are_in_the_event_log() -> None:
+    run = Run()
+    run.backend.skipped = [("mgr:3:0", 3)]  # left pending by the run this one resumed from
+    await run.go()
+    skipped = [e.detail for e in run.events.events if e.action == "trainer.skipped"]
+    assert skipped == [{"batches": ["mgr:3:0"]}]
+    assert run.actions(0)[:5] == [
+        "rollout.start",
+        "rollout.done",
+        "engines.offload",
+        "trainer.train",
+        "trainer.skipped",
+    ]
 
 
 async def test_trainer_sleeps_before_engine_weights_wake() -> None:
@@ -268,8 +279,8 @@ async def test_sft_warm_up_runs_after_the_ranks_start_and_before_the_first_push(
     assert run.backend.calls[:5] == ["start", "load", "train_sft 0", "train_sft 1", "train_sft 2"]
     assert phases == ["warmup"] * 3
     assert [v for name, v in run.rollout.calls if name == "sft"] == [(0, 2), (1, 2), (2, 2)]
-    assert run.batches[0].read_from == ["mgr:sft"] * 3 + ["mgr"] * 2  # warm-up stream, then the RL one
-    assert run.batches[0].acked[:3] == ["mgr:sft:0:0", "mgr:sft:1:0", "mgr:sft:2:0"]
+    assert [r.run_id for r in run.backend.refs] == ["mgr:sft"] * 3 + ["mgr"] * 2  # warm-up stream, then RL
+    assert [r.batch_id for r in run.backend.refs[:3]] == ["mgr:sft:0:0", "mgr:sft:1:0", "mgr:sft:2:0"]
     steps = [e.detail for e in run.events.events if e.action == "sft.step"]
     assert [(d["step"], d["steps"], d["loss"]) for d in steps] == [(0, 3, 3.0), (1, 3, 1.5), (2, 3, 1.0)]
     done = next(e.detail for e in run.events.events if e.action == "sft.done")

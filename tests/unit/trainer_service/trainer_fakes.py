@@ -3,19 +3,18 @@ was asked of them (the engines and weight buckets are `engine_fakes`).
 
 - `FakeRollout`: the rollout manager as `RolloutClient` methods, with its engine bookkeeping
   (asleep tags, weight versions, needs-weights, the update lock, admission).
-- `FakeBackend`: the trainer ranks (start, train, SFT warm-up, sleep, save/load) in memory.
-- `FakeBatches`: Redis batches without Redis.
+- `FakeBackend`: the trainer ranks (start, train, SFT warm-up, sleep, save/load) in memory; it
+  records the batches it was pointed at instead of reading them from Redis.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from engine_fakes import engine_info
+from vime_trainer.batches import BatchRef, ShareSummary, TrainResult
 
 from vime.wire.rollout import (
     AdmissionResult,
@@ -186,23 +185,35 @@ class FakeBackend:
         self.checkpoints = checkpoints if checkpoints is not None else {}
         self.on_train: Callable[[int], None] | None = None
         self.on_train_sft: Callable[[int], None] | None = None
+        self.refs: list[BatchRef] = []
+        """Every batch the ranks were told to read, in order."""
+        self.version: Callable[[], int] = lambda: 0
+        """The weight version the engines hold (the one a batch's samples carry)."""
+        self.skipped: list[tuple[str, int]] = []
+        """What the ranks report skipping on their next read (then nothing)."""
 
     def start(self) -> None:
         self.calls.append("start")
 
-    def train(self, rollout_id: int, rank_batches: Sequence[Any]) -> list[dict[str, float]]:
-        self.calls.append(f"train {rollout_id}")
+    def _result(self, ref: BatchRef, steps: list[dict[str, float]]) -> TrainResult:
+        self.refs.append(ref)
+        shares = [ShareSummary(d, 4, 1, (self.version(),)) for d in range(self.dp_size)]
+        skipped, self.skipped = self.skipped, []
+        return TrainResult(steps, shares, skipped)
+
+    def train(self, ref: BatchRef) -> TrainResult:
+        self.calls.append(f"train {ref.rollout_id}")
         self.asleep = False
         if self.on_train is not None:
-            self.on_train(rollout_id)
-        return [{"loss": 0.5, "grad_norm": 1.0}]
+            self.on_train(ref.rollout_id)
+        return self._result(ref, [{"loss": 0.5, "grad_norm": 1.0}])
 
-    def train_sft(self, rank_batches: Sequence[Any]) -> list[dict[str, float]]:
-        self.calls.append(f"train_sft {rank_batches[0].rollout_id}")
+    def train_sft(self, ref: BatchRef) -> TrainResult:
+        self.calls.append(f"train_sft {ref.rollout_id}")
         self.asleep = False
         if self.on_train_sft is not None:
-            self.on_train_sft(rank_batches[0].rollout_id)
-        return [{"loss": 3.0 / (1 + rank_batches[0].rollout_id), "grad_norm": 1.0}]
+            self.on_train_sft(ref.rollout_id)
+        return self._result(ref, [{"loss": 3.0 / (1 + ref.rollout_id), "grad_norm": 1.0}])
 
     def sleep(self) -> None:
         self.calls.append("sleep")
@@ -226,36 +237,3 @@ class FakeBackend:
 
     def shutdown(self) -> None:
         self.calls.append("shutdown")
-
-
-@dataclass
-class FakeShare:
-    batch_id: str
-    rollout_id: int
-    weight_versions: np.ndarray
-    num_samples: int = 4
-    num_microbatches: tuple[int, ...] = (1,)
-
-
-class FakeBatches:
-    """Batches as the rollout stamped them (the version the engines held), without Redis."""
-
-    def __init__(self, rollout: FakeRollout, dp_size: int) -> None:
-        self.rollout = rollout
-        self.dp_size = dp_size
-        self.acked: list[str] = []
-        self.read_from: list[str] = []
-        """The stream (run id) of every read."""
-
-    async def read(
-        self, run_id: str, batch_id: str, rollout_id: int, timeout_s: float = 0
-    ) -> list[FakeShare]:
-        self.read_from.append(run_id)
-        v = np.full(4, self.rollout.version, dtype=np.int32)
-        return [FakeShare(batch_id, rollout_id, v) for _ in range(self.dp_size)]
-
-    async def ack(self, batch_id: str) -> None:
-        self.acked.append(batch_id)
-
-    async def aclose(self) -> None:
-        pass

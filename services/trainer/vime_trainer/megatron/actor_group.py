@@ -1,10 +1,10 @@
-"""The training ranks as Ray actors behind a small interface the run controller uses (seed step 3).
+"""The training ranks as Ray actors (seed step 3): start, train, export weight buckets,
+sleep/wake, save/load, shutdown.
 
-`TrainerBackend` is all the controller sees: start, train on per-DP-rank batches, export weight
-buckets, sleep/wake, save/load, shutdown. `ActorGroup` implements it with one Ray actor per rank,
-placed by a placement group (one GPU per rank on GPU hosts; an equal share of the CPUs
-otherwise), so TP=2 × DP=4 is 8 actors. Every call fans out to all ranks at once, because the
-ranks' collectives need all of them; TP/PP peers of a DP rank receive the same `RankBatch`.
+`ActorGroup` runs one Ray actor per rank, placed by a placement group (one GPU per rank on GPU
+hosts; an equal share of the CPUs otherwise), so TP=2 × DP=4 is 8 actors. Every call fans out to
+all ranks at once, because the ranks' collectives need all of them. A training call carries only
+where the batch is (`BatchRef`): each rank reads its own share from Redis (`vime_trainer.batches`).
 """
 
 from __future__ import annotations
@@ -12,36 +12,20 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vime.batch import RankBatch
 from vime.config import RunConfig
+from vime_trainer.batches import BatchRef, TrainResult
 from vime_trainer.megatron.rank import TrainRank
-
-StepMetrics = dict[str, float]
 
 
 class TrainerError(RuntimeError):
     """A training rank failed or the group is not in a state to do what was asked."""
-
-
-class TrainerBackend(Protocol):
-    """What the run controller needs from a training backend."""
-
-    def start(self) -> None: ...
-    def train(self, rollout_id: int, rank_batches: Sequence[RankBatch]) -> list[StepMetrics]: ...
-    def train_sft(self, rank_batches: Sequence[RankBatch]) -> list[StepMetrics]: ...
-    def export_weight_buckets(self, directory: str | None = None) -> Iterator[dict[str, Any]]: ...
-    def sleep(self) -> None: ...
-    def wake_up(self) -> None: ...
-    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
-    def load(self, path: str | None = None) -> dict[str, Any] | None: ...
-    def shutdown(self) -> None: ...
 
 
 class RankActor(TrainRank):
@@ -137,33 +121,20 @@ class ActorGroup:
         if not self.actors:
             raise TrainerError("the actor group is not started")
 
-    def _fan_out(self, method: str, rank_batches: Sequence[RankBatch]) -> list[StepMetrics]:
+    def train(self, ref: BatchRef) -> TrainResult:
+        """Seed steps 37–40: every rank reads its share of ``ref`` from Redis, trains, acks it."""
+        return self._read_and_train(ref, sft=False)
+
+    def train_sft(self, ref: BatchRef) -> TrainResult:
+        """Supervised warm-up steps on a published batch of (prompt, label) samples."""
+        return self._read_and_train(ref, sft=True)
+
+    def _read_and_train(self, ref: BatchRef, sft: bool) -> TrainResult:
         self._require_started()
-        if len(rank_batches) != self.dp_size:
-            raise TrainerError(f"got {len(rank_batches)} rank batches for dp_size={self.dp_size}")
-        for d, rb in enumerate(rank_batches):
-            if rb.dp_rank != d:
-                raise TrainerError(f"rank batch {d} is for dp_rank {rb.dp_rank}: pass them in DP-rank order")
-        refs = [ray.put(rb) for rb in rank_batches]
-        calls = [
-            getattr(a, method).remote(refs[info["dp_rank"]])
-            for a, info in zip(self.actors, self.infos, strict=True)
-        ]
-        results = self._get(calls)
-        return list(results[self._reporter()])
-
-    def train(self, rollout_id: int, rank_batches: Sequence[RankBatch]) -> list[StepMetrics]:
-        """Train on one rollout (seed steps 37-41); one metrics dict per optimizer step."""
-        for rb in rank_batches:
-            if rb.rollout_id != rollout_id:
-                raise TrainerError(
-                    f"rank batch of rollout {rb.rollout_id} passed to train rollout {rollout_id}"
-                )
-        return self._fan_out("train", rank_batches)
-
-    def train_sft(self, rank_batches: Sequence[RankBatch]) -> list[StepMetrics]:
-        """Supervised warm-up steps on (prompt, label) batches."""
-        return self._fan_out("train_sft", rank_batches)
+        results: list[TrainResult] = self._get([a.read_and_train.remote(ref, sft) for a in self.actors])
+        shares = sorted((s for r in results for s in r.shares), key=lambda s: s.dp_rank)
+        skipped = sorted({s for r in results for s in r.skipped})  # every DP rank skips the same
+        return TrainResult(results[self._reporter()].steps, shares, skipped)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Run a rank method on every rank (collective) and return each rank's result."""

@@ -2,23 +2,28 @@
 
 `ActorGroup` runs one of these per rank inside a Ray actor; nothing here knows about Ray. The
 rank builds its model shard from an HF checkpoint (or resumes from a distributed checkpoint),
-trains on its `RankBatch`, sleeps and wakes, saves, and takes part in the collective weight
-export. Every method that involves collectives must be called on all ranks at once.
+reads its share of a batch from Redis and trains on it, sleeps and wakes, saves, and takes part
+in the collective weight export. Every method that involves collectives must be called on all
+ranks at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Coroutine, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from vime.batch import RankBatch
 from vime.config import RunConfig
+from vime_trainer.batches import BatchRef, ShareReader, ShareSummary, TrainResult
 from vime_trainer.weights.architecture import Architecture
 from vime_trainer.weights.shm import write_bucket
+
+T = TypeVar("T")
 
 
 class TrainRank:
@@ -31,6 +36,8 @@ class TrainRank:
         self.hf_checkpoint = hf_checkpoint
         self.arch = Architecture.from_checkpoint(hf_checkpoint)
         self._ready = False
+        self._reader: ShareReader | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- start-up (seed step 3) -------------------------------------------------------------
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
@@ -72,6 +79,24 @@ class TrainRank:
         return asdict(self.info)
 
     # --- training (seed steps 37-41) --------------------------------------------------------
+    def read_and_train(self, ref: BatchRef, sft: bool = False) -> TrainResult:
+        """Seed steps 37–40 on this rank: read its share of ``ref`` from Redis, train on it
+        (`train`, or `train_sft` for a warm-up batch), ack it after the optimizer step."""
+        reader = self._share_reader(ref.redis_url)
+        share = self._await(reader.read(ref))
+        if (share.rollout_id, share.dp_size) != (ref.rollout_id, self.info.dp_size):
+            raise ValueError(
+                f"batch {share.batch_id} holds rollout {share.rollout_id} split for DP size {share.dp_size}; "
+                f"asked for rollout {ref.rollout_id} at DP size {self.info.dp_size}"
+            )
+        steps = (self.train_sft if sft else self.train)(share)
+        self._await(reader.ack(share.batch_id))
+        if not reader.consumes:
+            return TrainResult(steps if self.info.reports_metrics else [])
+        return TrainResult(
+            steps if self.info.reports_metrics else [], [ShareSummary.of(share)], reader.skipped
+        )
+
     def train(self, batch: RankBatch) -> list[dict[str, float]]:
         """Train on this rank's share; wakes first if asleep (step 37), backs weights up (step 41)."""
         self.wake_up()
@@ -86,6 +111,23 @@ class TrainRank:
         """Response-token log-probs per micro-batch with the current weights (last stage only)."""
         self.wake_up()
         return [lp.float().cpu().numpy() for lp in self.steps.log_probs(self.steps.micro_batches(batch))]
+
+    def _share_reader(self, redis_url: str) -> ShareReader:
+        """This rank's reader: the DP rank's consumer on TP rank 0 of PP stage 0, a blob reader on
+        its peers (`vime_trainer.batches`)."""
+        if self._reader is not None and self._reader.redis_url != redis_url:
+            self._await(self._reader.aclose())
+            self._reader = None
+        if self._reader is None:
+            first = self.info.tp_rank == 0 and self.info.pp_rank == 0
+            self._reader = ShareReader(redis_url, self.info.dp_rank, consumes=first)
+        return self._reader
+
+    def _await(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a Redis call on this rank's own event loop (a Ray actor's methods run in one thread)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray | None:
         """Full-vocabulary logits ``[b, s, V]`` of a token batch (returned by the reporting rank only)."""
@@ -220,6 +262,12 @@ class TrainRank:
     def shutdown(self) -> None:
         from vime_trainer.megatron.runtime import shutdown_rank
 
+        if self._reader is not None:
+            self._await(self._reader.aclose())
+            self._reader = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
         if self._ready:
             shutdown_rank()
             self._ready = False
