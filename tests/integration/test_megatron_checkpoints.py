@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vime_trainer.megatron.actor_group import ActorGroup
+from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
 from vime_trainer.megatron.checkpoint import STATE_FILE, latest_checkpoint
 from vime_trainer.weights.hf_checkpoint import HFReader
 from vime_trainer.weights.shm import read_bucket
@@ -58,7 +58,10 @@ def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
         first.sleep()  # sleeping twice is harmless
         first.wake_up()
         assert np.array_equal(one(first.call("logits", TOKENS)), before)
-        first.sleep()  # train() wakes the ranks itself (seed step 37)
+        first.sleep()
+        with pytest.raises(TrainerError, match="asleep"):  # only the driver loop wakes the ranks
+            first.save(0, {})
+        first.wake_up()  # seed step 37
         got.append(_train(first, publish, 1))
         path = first.save(1, {"data_position": 16, "weight_version": 3})
     finally:

@@ -109,6 +109,10 @@ def test_bad_batches_are_refused_and_the_group_keeps_working(tp1: ActorGroup, pu
         tp1.train(replace(ref, rollout_id=6))
     with pytest.raises(TrainerError, match="split for DP size 2; asked for rollout 5 at DP size 1"):
         tp1.train(publish(split(cfg, rollout_batch(cfg, 5), dp_size=2)))
+    tp1.sleep()
+    with pytest.raises(TrainerError, match="asleep: wake it up first"):  # only the driver loop wakes it
+        tp1.train(publish(rbs))
+    tp1.wake_up()
     assert tp1.train(publish(rbs)).steps[0]["step_ok"] == 1.0
 
 

@@ -17,15 +17,12 @@ PUSH = [
     "weights.loaded",
 ]
 """One weight push (seed steps 4–8, 46–52); ``weights.update`` stands for all of its buckets."""
-STEP = [
-    "rollout.start",
-    "rollout.done",
-    "engines.offload",
-    "trainer.train",
-    "trainer.sleep",
-    "rollout.training_completed",
-]
-"""A step up to its weight sync (seed steps 14–42)."""
+TRAIN = ["rollout.start", "rollout.done", "engines.offload", "trainer.wake_up", "trainer.train"]
+"""A step up to its training (seed steps 14–40)."""
+TRAINED = ["trainer.sleep", "rollout.training_completed"]
+"""Seed steps 41–42, after the step's checkpoint when it has one ([*TRAIN, "trainer.save", *TRAINED])."""
+STEP = [*TRAIN, *TRAINED]
+"""A step without a checkpoint up to its weight sync (seed steps 14–42)."""
 SYNC = ["engines.onload(weights)", "admission.pause", *PUSH]
 """A step's weight sync (seed steps 43–52)."""
 

@@ -1,12 +1,15 @@
 """The driver loop: seed steps 1–55, in the seed's order, readable in one screen (`Controller.run`).
 
-Start-up runs the supervised warm-up (``trainer.sft_warmup_steps``) right after the trainer's
-ranks start, before the first weight push. Colocated memory order of every step: the engines
-sleep (level 2, weights dropped) → the trainer wakes, trains, sleeps → the engines wake their
-``weights`` → the push → admission resumes → the engines wake their KV cache. Checkpoints are
-taken right after training, while the trainer is awake and the engines asleep; a resumed run
-republishes the checkpoint's weights under the version they were (or were about to be)
-published as, so versions continue as if uninterrupted.
+Every sleep and wake of the trainer and the engines is a line here; nothing else sleeps or wakes
+them. Start-up runs the supervised warm-up (``trainer.sft_warmup_steps``) right after the
+trainer's ranks start, before the first weight push. Colocated memory order of every step: the
+engines sleep (level 2, weights dropped) → the trainer wakes, trains, (saves), sleeps → the
+engines wake their ``weights`` → the push → admission resumes → the engines wake their KV cache.
+A step's checkpoint is taken between training and the trainer's sleep, while it is awake and the
+engines asleep; a stop that lands after that point wakes the trainer once more at the end for
+its checkpoint (the engines are awake then). A resumed run republishes the checkpoint's weights
+under the version they were (or were about to be) published as, so versions continue as if
+uninterrupted.
 """
 
 from __future__ import annotations
@@ -48,10 +51,14 @@ class Controller:
                 job = await self.ops.rollout_step(rollout_id)
             with clock.phase("offload"):  # 33–36
                 await self.ops.offload()
-            with clock.phase("train"):  # 37–42
+            with clock.phase("train"):  # 37–40
+                await self.ops.trainer_wake_up()  # 37
                 metrics = await self.ops.train(rollout_id, job)
             with clock.phase("save"):  # save_interval, the last rollout, a stop or a request
                 await self.maybe_save(rollout_id)
+            with clock.phase("train"):
+                await self.ops.trainer_sleep()  # 41
+                await self.ops.training_completed(rollout_id)  # 42
             with clock.phase("onload_weights"):  # 43
                 await self.ops.onload(WEIGHTS)
             with clock.phase("weight_sync"):  # 44–53
@@ -187,7 +194,9 @@ class Controller:
     async def finish(self) -> RunState:
         """A stop that came after the step's save point still leaves a checkpoint of that step."""
         if self.last_done is not None and self.saved_rollout != self.last_done:
+            await self.ops.trainer_wake_up()
             await self.save(self.last_done, self.ops.version)
+            await self.ops.trainer_sleep()
             log.info("run %s: checkpoint after rollout %d", self.ctx.run_id, self.last_done)
         self.ctx.set_phase(RunPhase.DONE)
         next_id = self.ctx.status.next_rollout_id

@@ -45,6 +45,7 @@ class Backend(Protocol):
     def train(self, ref: BatchRef) -> TrainResult: ...
     def train_sft(self, ref: BatchRef) -> TrainResult: ...
     def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
     def load(self, path: str | None = None) -> dict[str, Any] | None: ...
     def shutdown(self) -> None: ...
@@ -134,8 +135,14 @@ class RunOps:
         for url, res in failed.items():
             log.warning("%s on %s: %s", result.action, url, res)
 
+    async def trainer_wake_up(self) -> None:
+        """Step 37: the trainer takes its GPU memory back (the engines sleep)."""
+        if self.cfg.offload_train:
+            await asyncio.to_thread(self.backend.wake_up)
+            self.events.record("trainer.wake_up")
+
     async def trainer_sleep(self) -> None:
-        """Step 41 (and after a save): free the trainer's GPU memory before the engines wake."""
+        """Step 41: free the trainer's GPU memory before the engines wake."""
         if self.cfg.offload_train:
             await asyncio.to_thread(self.backend.sleep)
             self.events.record("trainer.sleep")
@@ -150,16 +157,18 @@ class RunOps:
         return job
 
     async def train(self, rollout_id: int, job: RolloutJob) -> dict[str, float]:
-        """Steps 37–42: the ranks read their shares of the rollout's batch from Redis, train and
-        ack them; the trainer sleeps; training completed."""
+        """Steps 37–40 on the awake trainer: the ranks read their shares of the rollout's batch
+        from Redis, train on them and ack them."""
         self.events.record("trainer.train", batch_id=job.batch_id)
         ref = BatchRef(self.redis_url, job.run_id or "", job.batch_id or "", rollout_id)
         result = await asyncio.to_thread(self.backend.train, ref)
         self._skipped(result, ref)
-        await self.trainer_sleep()
+        return {**train_metrics(result.steps), **batch_metrics(result.shares)}
+
+    async def training_completed(self, rollout_id: int) -> None:
+        """Step 42: the rollout manager's batch of this rollout is consumed."""
         done = await self.rollout.training_completed(rollout_id)
         self.events.record("rollout.training_completed", pending_batches=done.pending_batches)
-        return {**train_metrics(result.steps), **batch_metrics(result.shares)}
 
     async def sft_step(self, step: int, steps: int) -> dict[str, float]:
         """One supervised warm-up step: the rollout manager publishes prompts with their labels as
@@ -244,7 +253,8 @@ class RunOps:
 
     # --- checkpoints and eval -------------------------------------------------------------------
     async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:
-        """Checkpoint with the run state a resume needs (data position, the weights' version)."""
+        """Checkpoint the awake trainer with the run state a resume needs (data position, the
+        weights' version)."""
         t0 = time.perf_counter()
         run_state = {
             "run_id": self.ctx.run_id,
@@ -253,7 +263,6 @@ class RunOps:
         }
         path = await asyncio.to_thread(self.backend.save, rollout_id, run_state)
         self.events.record("trainer.save", path=path, weight_version=weight_version)
-        await self.trainer_sleep()
         self.ctx.status.checkpoint = path
         return CheckpointResult(
             rollout_id=rollout_id,

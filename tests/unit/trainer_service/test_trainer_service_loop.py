@@ -15,7 +15,7 @@ from vime_trainer.ops import RunError, RunOps
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
-from tests.support.run_events import PUSH, STEP, SYNC, action_names
+from tests.support.run_events import PUSH, STEP, SYNC, TRAIN, TRAINED, action_names
 from vime.config import load_config
 from vime.wire.trainer import RunState
 
@@ -83,14 +83,21 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
         "engines.onload(kv_cache)",  # 9–13
     ]
     assert run.actions(0) == [*STEP, *SYNC, "admission.resume", "engines.onload(kv_cache)", "step.done"]
-    # The last rollout saves after training, and skips resuming admission (seed step 53).
+    # The last rollout saves after training, while the trainer is awake (one wake and one sleep for
+    # the step), and skips resuming admission (seed step 53).
     assert run.actions(1) == [
-        *STEP,
+        *TRAIN,
         "trainer.save",
-        "trainer.sleep",
+        *TRAINED,
         *SYNC,
         "engines.onload(kv_cache)",
         "step.done",
+    ]
+    # Every sleep and wake is the loop's: the ranks refuse work while asleep, and a save costs nothing extra.
+    assert run.backend.calls == [
+        *["start", "load", "sleep"],
+        *["wake_up", "train 0", "sleep"],
+        *["wake_up", "train 1", "save 1", "sleep"],
     ]
     assert run.rollout.version == 3 and {s.version for s in run.engines.states.values()} == {"3"}
     assert [s.metrics["batch/weight_version_max"] for s in run.steps] == [1.0, 2.0]  # samples carry v1, v2
@@ -112,13 +119,7 @@ async def test_batches_the_ranks_skipped_are_in_the_event_log() -> None:
     await run.go()
     skipped = [e.detail for e in run.events.events if e.action == "trainer.skipped"]
     assert skipped == [{"batches": ["mgr:3:0"]}]
-    assert run.actions(0)[:5] == [
-        "rollout.start",
-        "rollout.done",
-        "engines.offload",
-        "trainer.train",
-        "trainer.skipped",
-    ]
+    assert run.actions(0)[:6] == [*TRAIN, "trainer.skipped"]
 
 
 async def test_trainer_sleeps_before_engine_weights_wake() -> None:
@@ -153,7 +154,7 @@ async def test_stop_after_the_save_point_checkpoints_after_the_step() -> None:
     assert await run.go() is RunState.STOPPED
     assert list(run.backend.checkpoints) == [0]
     assert run.backend.checkpoints[0]["run_state"]["weight_version"] == 2  # already published as v2
-    assert run.actions(0)[-3:] == ["step.done", "trainer.save", "trainer.sleep"]
+    assert run.actions(0)[-4:] == ["step.done", "trainer.wake_up", "trainer.save", "trainer.sleep"]
 
 
 async def test_resume_continues_at_the_checkpoint_with_the_same_versions() -> None:

@@ -3,8 +3,9 @@ was asked of them (the engines and weight buckets are `engine_fakes`).
 
 - `FakeRollout`: the rollout manager as `RolloutClient` methods, with its engine bookkeeping
   (asleep tags, weight versions, needs-weights, the update lock, admission).
-- `FakeBackend`: the trainer ranks (start, train, SFT warm-up, sleep, save/load) in memory; it
-  records the batches it was pointed at instead of reading them from Redis.
+- `FakeBackend`: the trainer ranks (start, train, SFT warm-up, sleep/wake, save/load) in memory;
+  like the ranks it refuses to train, save or load while asleep, and it records the batches it
+  was pointed at instead of reading them from Redis.
 """
 
 from __future__ import annotations
@@ -201,16 +202,20 @@ class FakeBackend:
         skipped, self.skipped = self.skipped, []
         return TrainResult(steps, shares, skipped)
 
+    def _awake(self, what: str) -> None:
+        if self.asleep:
+            raise AssertionError(f"{what} while the trainer is asleep: the loop must wake it first")
+
     def train(self, ref: BatchRef) -> TrainResult:
         self.calls.append(f"train {ref.rollout_id}")
-        self.asleep = False
+        self._awake("train")
         if self.on_train is not None:
             self.on_train(ref.rollout_id)
         return self._result(ref, [{"loss": 0.5, "grad_norm": 1.0}])
 
     def train_sft(self, ref: BatchRef) -> TrainResult:
         self.calls.append(f"train_sft {ref.rollout_id}")
-        self.asleep = False
+        self._awake("train_sft")
         if self.on_train_sft is not None:
             self.on_train_sft(ref.rollout_id)
         return self._result(ref, [{"loss": 3.0 / (1 + ref.rollout_id), "grad_norm": 1.0}])
@@ -219,9 +224,13 @@ class FakeBackend:
         self.calls.append("sleep")
         self.asleep = True
 
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+        self.asleep = False
+
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
         self.calls.append(f"save {rollout_id}")
-        self.asleep = False
+        self._awake("save")
         self.checkpoints[rollout_id] = {
             "rollout_id": rollout_id,
             "next_rollout_id": rollout_id + 1,
@@ -231,6 +240,7 @@ class FakeBackend:
 
     def load(self, path: str | None = None) -> dict[str, Any] | None:
         self.calls.append("load")
+        self._awake("load")
         if not self.checkpoints:
             return None
         return self.checkpoints[max(self.checkpoints)]

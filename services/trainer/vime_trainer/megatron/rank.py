@@ -4,7 +4,8 @@
 rank builds its model shard from an HF checkpoint (or resumes from a distributed checkpoint),
 reads its share of a batch from Redis and trains on it, sleeps and wakes, saves, and takes part
 in the collective weight export. Every method that involves collectives must be called on all
-ranks at once.
+ranks at once. Only the driver loop sleeps and wakes a rank (`Controller.run`): a method that
+needs the model's memory refuses to run while the rank is asleep.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from vime_trainer.weights.architecture import Architecture
 from vime_trainer.weights.shm import write_bucket
 
 T = TypeVar("T")
+
+
+class RankAsleepError(RuntimeError):
+    """A method that needs the model's memory was called while the rank sleeps."""
 
 
 class TrainRank:
@@ -82,6 +87,7 @@ class TrainRank:
     def read_and_train(self, ref: BatchRef, sft: bool = False) -> TrainResult:
         """Seed steps 37–40 on this rank: read its share of ``ref`` from Redis, train on it
         (`train`, or `train_sft` for a warm-up batch), ack it after the optimizer step."""
+        self._require_awake()
         reader = self._share_reader(ref.redis_url)
         share = self._await(reader.read(ref))
         if (share.rollout_id, share.dp_size) != (ref.rollout_id, self.info.dp_size):
@@ -98,18 +104,18 @@ class TrainRank:
         )
 
     def train(self, batch: RankBatch) -> list[dict[str, float]]:
-        """Train on this rank's share; wakes first if asleep (step 37), backs weights up (step 41)."""
-        self.wake_up()
+        """Train on this rank's share (steps 38–40); backs the new weights up (step 41)."""
+        self._require_awake()
         return self.steps.train(batch)
 
     def train_sft(self, batch: RankBatch) -> list[dict[str, float]]:
         """Supervised warm-up steps on this rank's share of (prompt, label) samples."""
-        self.wake_up()
+        self._require_awake()
         return self.steps.train_sft(batch)
 
     def log_probs(self, batch: RankBatch) -> list[np.ndarray]:
         """Response-token log-probs per micro-batch with the current weights (last stage only)."""
-        self.wake_up()
+        self._require_awake()
         return [lp.float().cpu().numpy() for lp in self.steps.log_probs(self.steps.micro_batches(batch))]
 
     def _share_reader(self, redis_url: str) -> ShareReader:
@@ -135,7 +141,7 @@ class TrainRank:
 
         from vime_trainer.megatron.micro_batch import MicroBatch
 
-        self.wake_up()
+        self._require_awake()
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.info.device)
         b, s = ids.shape
         empty = torch.zeros(0, dtype=torch.long, device=ids.device)
@@ -172,6 +178,10 @@ class TrainRank:
     def asleep(self) -> bool:
         return self.offloader.asleep
 
+    def _require_awake(self) -> None:
+        if self.asleep:
+            raise RankAsleepError("the rank is asleep: wake it up first (the driver loop does, seed step 37)")
+
     def memory_stats(self) -> dict[str, float]:
         """GiB in use on this rank's device (GPU: allocated/reserved/peak; CPU: process RSS)."""
         gib = float(1 << 30)
@@ -190,7 +200,7 @@ class TrainRank:
         """Distributed checkpoint of model + optimizer, and the controller's run state (collective)."""
         from vime_trainer.megatron.checkpoint import save_checkpoint
 
-        self.wake_up()
+        self._require_awake()
         meta = {
             "layout": {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size},
             "architecture": self.arch.to_dict(),
@@ -206,7 +216,7 @@ class TrainRank:
         """Load ``path`` (default: the newest complete checkpoint); None when there is none."""
         from vime_trainer.megatron.checkpoint import latest_checkpoint, load_checkpoint
 
-        self.wake_up()
+        self._require_awake()
         if path is None:
             found = latest_checkpoint(self.config.trainer.checkpoint_dir)
             if found is None:
