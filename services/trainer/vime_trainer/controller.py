@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from vime.algorithms import should_flush_cache
 from vime.wire.trainer import CheckpointResult, RunPhase, RunState, StepRecord
@@ -25,12 +26,22 @@ from vime_trainer.state import RunContext, StepClock
 
 log = logging.getLogger("vime.trainer.run")
 
-WEIGHTS, KV = ["weights"], ["kv_cache", "cuda_graph"]
+StepHook = Callable[[StepRecord], None]
+WarmupHook = Callable[[int, dict[str, float]], None]
 
 
 class Controller:
-    def __init__(self, ctx: RunContext, ops: RunOps) -> None:
+    def __init__(
+        self,
+        ctx: RunContext,
+        ops: RunOps,
+        *,
+        on_step: StepHook = lambda step: None,
+        on_warmup: WarmupHook = lambda step, metrics: None,
+    ) -> None:
+        """``on_step`` / ``on_warmup``: told of every finished RL step / warm-up step (the run's record)."""
         self.ctx, self.ops, self.cfg = ctx, ops, ctx.cfg
+        self.on_step, self.on_warmup = on_step, on_warmup
         self.saved_rollout: int | None = None
         """The rollout id of the newest checkpoint this run wrote."""
         self.last_done: int | None = None
@@ -48,7 +59,7 @@ class Controller:
             clock = StepClock(self.ctx)
             with clock.phase("rollout"):  # 14–32
                 await self.ops.push_catch_up()
-                job = await self.ops.rollout_step(rollout_id)
+                job = await self.ops.generate(rollout_id)
             with clock.phase("offload"):  # 33–36
                 await self.ops.offload()
             with clock.phase("train"):  # 37–40
@@ -60,14 +71,14 @@ class Controller:
                 await self.ops.trainer_sleep()  # 41
                 await self.ops.training_completed(rollout_id)  # 42
             with clock.phase("onload_weights"):  # 43
-                await self.ops.onload(WEIGHTS)
+                await self.ops.onload_weights()
             with clock.phase("weight_sync"):  # 44–53
-                was_paused = await self.ops.pause_admission()
-                await self.ops.push_weights(self.ops.version + 1, self.flush(self.ops.version + 1))
+                was_paused = await self.ops.pause_rollout_admission()
+                await self.ops.update_weights(self.ops.version + 1, self.flush(self.ops.version + 1))
                 if rollout_id + 1 < self.cfg.num_rollout:
-                    await self.ops.resume_admission(was_paused)
+                    await self.ops.resume_rollout_admission(was_paused)
             with clock.phase("onload_kv"):  # 54
-                await self.ops.onload(KV)
+                await self.ops.onload_kv()
             with clock.phase("eval"):
                 metrics |= await self.maybe_eval(rollout_id)
             self.step_done(rollout_id, clock, {**job.metrics, **metrics})  # 55
@@ -98,10 +109,10 @@ class Controller:
         self.ctx.status.start_rollout_id = self.ctx.status.next_rollout_id = first
         self.ops.version = self.ops.start_version = held
         await self.ops.trainer_sleep()  # Megatron sleeps before the engines wake
-        await self.ops.onload(WEIGHTS)  # 4–7
-        await self.ops.push_weights(version, flush=True)  # 8: first push, always flushes
+        await self.ops.onload_weights()  # 4–7
+        await self.ops.update_weights(version, flush=True)  # 8: first push, always flushes
         await self.ops.training_ready()  # 9
-        await self.ops.onload(KV)  # 10–13
+        await self.ops.onload_kv()  # 10–13
         return first
 
     async def warm_up(self) -> None:
@@ -163,7 +174,7 @@ class Controller:
             return
         self.ctx.set_phase(RunPhase.WEIGHT_SYNC)
         version = self.ops.version + 1
-        result = await self.ops.push_weights(version, self.flush(version))
+        result = await self.ops.update_weights(version, self.flush(version))
         for fut in self.ctx.push_requests:
             if not fut.done():
                 if result is None:
@@ -184,12 +195,6 @@ class Controller:
         self.ctx.step_done(step)
         self.ctx.events.record("step.done", step_s=round(step.timings.step_s, 4))
         self.on_step(step)
-
-    def on_step(self, step: StepRecord) -> None:
-        """Hook for the run's record (set by `runs.RunHandle`)."""
-
-    def on_warmup(self, step: int, metrics: dict[str, float]) -> None:
-        """Hook for the run's record of warm-up steps (set by `runs.RunHandle`)."""
 
     async def finish(self) -> RunState:
         """A stop that came after the step's save point still leaves a checkpoint of that step."""

@@ -112,16 +112,25 @@ class RunOps:
         """Step 9; a run that resumes after a final step finds admission paused (step 53 skipped)."""
         await self.rollout.training_ready()
         self.events.record("rollout.training_ready")
-        await self.resume_admission(True)
+        await self.resume_rollout_admission(True)
 
-    # --- memory (seed steps 4–7, 10–13, 33–36, 41, 43, 54) -----------------------------------
-    async def onload(self, tags: list[str]) -> None:
+    # --- memory (seed steps 4–7, 10–13, 33–36, 37, 41, 43, 54) -------------------------------
+    async def onload_weights(self) -> None:
+        """Steps 4–7 and 43: the engines' weight memory comes back (its content is pushed next)."""
+        await self._onload(["weights"])
+
+    async def onload_kv(self) -> None:
+        """Steps 10–13 and 54: the engines' KV cache comes back, empty."""
+        await self._onload(["kv_cache", "cuda_graph"])
+
+    async def _onload(self, tags: list[str]) -> None:
         if not self.cfg.offload_rollout:
             return
         result = await self.rollout.onload(tags)
         self._memory_event(result, tags=result.tags_sent)
 
     async def offload(self) -> None:
+        """Steps 33–36: the engines sleep (level 2: weights and KV cache dropped)."""
         if not self.cfg.offload_rollout:
             return
         result = await self.rollout.offload()
@@ -148,7 +157,8 @@ class RunOps:
             self.events.record("trainer.sleep")
 
     # --- rollout and training (seed steps 14–32, 37–42) ----------------------------------------
-    async def rollout_step(self, rollout_id: int) -> RolloutJob:
+    async def generate(self, rollout_id: int) -> RolloutJob:
+        """Steps 14–32: one rollout, published to Redis split per DP rank."""
         self.events.record("rollout.start")
         job = await self.rollout.rollout(rollout_id, dp_size=self.backend.dp_size)
         if not job.batch_id or not job.run_id:
@@ -190,16 +200,18 @@ class RunOps:
             self.events.record("trainer.skipped", batches=[b for b, _ in result.skipped])
 
     # --- weight sync (seed steps 44–53) -------------------------------------------------------
-    async def pause_admission(self) -> bool:
+    async def pause_rollout_admission(self) -> bool:
         result = await self.rollout.pause_admission()
         self.events.record("admission.pause")
         return result.was_paused
 
-    async def resume_admission(self, was_paused: bool) -> None:
+    async def resume_rollout_admission(self, was_paused: bool) -> None:
         await self.rollout.resume_admission(was_paused)
         self.events.record("admission.resume")
 
-    async def push_weights(self, version: int, flush: bool, *, stale_only: bool = False) -> PushResult | None:
+    async def update_weights(
+        self, version: int, flush: bool, *, stale_only: bool = False
+    ) -> PushResult | None:
         """Steps 45–52 to the engines of the update lock (only the stale ones with ``stale_only``)."""
         assert self.sync is not None, "start_trainer first"
         lease = await self.rollout.update_lock()
@@ -237,7 +249,7 @@ class RunOps:
         status = await self.rollout.engines()
         if not any(e.status in LIVE and self._stale(e) for e in status.engines):
             return None
-        return await self.push_weights(self.version, True, stale_only=True)
+        return await self.update_weights(self.version, True, stale_only=True)
 
     async def _weights_awake(self, targets: list[EngineInfo]) -> list[EngineInfo]:
         """Never push into sleeping weights (vLLM has no guard): wake them, or refuse."""

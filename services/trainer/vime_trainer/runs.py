@@ -75,10 +75,8 @@ class RunHandle:
             backend,
             make_sync=lambda b: WeightSync(make_transport(cfg, b), on_event=self.ctx.events.record),
         )
-        self.controller = Controller(self.ctx, self.ops)
         self.on_step = on_step
-        self.controller.on_step = self._on_step  # type: ignore[method-assign]
-        self.controller.on_warmup = self._on_warmup  # type: ignore[method-assign]
+        self.controller = Controller(self.ctx, self.ops, on_step=self._on_step, on_warmup=self._on_warmup)
         self.task: asyncio.Task[None] | None = None
 
     def _on_step(self, step: StepRecord) -> None:

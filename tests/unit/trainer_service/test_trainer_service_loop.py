@@ -53,9 +53,11 @@ class Run:
                 reset_interval_s=0,
             ),
         )
-        self.controller = Controller(self.ctx, self.ops)
         self.steps: list[Any] = []
-        self.controller.on_step = self.steps.append  # type: ignore[method-assign]
+        self.warm: list[tuple[int, dict[str, float]]] = []
+        self.controller = Controller(
+            self.ctx, self.ops, on_step=self.steps.append, on_warmup=lambda s, m: self.warm.append((s, m))
+        )
 
     async def go(self) -> RunState:
         return await self.controller.run()
@@ -261,8 +263,6 @@ async def test_sft_warm_up_runs_after_the_ranks_start_and_before_the_first_push(
     run = Run("trainer.sft_warmup_steps=3", "actor_num_cpu_ranks=2", backend=FakeBackend(dp_size=2))
     phases: list[str] = []
     run.backend.on_train_sft = lambda step: phases.append(run.ctx.status.phase.value)
-    warm: list[tuple[int, dict[str, float]]] = []
-    run.controller.on_warmup = lambda step, m: warm.append((step, m))  # type: ignore[method-assign]
     assert await run.go() is RunState.FINISHED
     assert run.actions(None)[:11] == [
         "run.start",
@@ -286,8 +286,8 @@ async def test_sft_warm_up_runs_after_the_ranks_start_and_before_the_first_push(
     assert [(d["step"], d["steps"], d["loss"]) for d in steps] == [(0, 3, 3.0), (1, 3, 1.5), (2, 3, 1.0)]
     done = next(e.detail for e in run.events.events if e.action == "sft.done")
     assert (done["loss_first"], done["loss_last"]) == (3.0, 1.0)
-    assert [s for s, _ in warm] == [0, 1, 2] and warm[1][1]["sft/loss"] == 1.5
-    assert warm[0][1]["sft/optimizer_steps"] == 1.0 and warm[0][1]["sft/label_len_mean"] == 3.0
+    assert [s for s, _ in run.warm] == [0, 1, 2] and run.warm[1][1]["sft/loss"] == 1.5
+    assert run.warm[0][1]["sft/optimizer_steps"] == 1.0 and run.warm[0][1]["sft/label_len_mean"] == 3.0
 
 
 async def test_a_resumed_run_does_not_warm_up_again() -> None:
