@@ -319,14 +319,14 @@ def test_5_bad_input_is_4xx(stack: Stack) -> None:
 def test_6_eval_and_data_state(stack: Stack) -> None:
     async def main() -> None:
         async with stack.client() as c:
-            await c.pause_admission()  # as after the last step (seed step 53 skipped)
+            paused = await c.pause_admission()  # as after the last step (seed step 53 skipped)
             job = await c.rollout(4, evaluation=True)  # admission gates training rollouts only
             assert job.batch_id is None and job.metrics["eval/held/num_samples"] == 12.0
             assert 0.0 <= job.metrics["eval/held/pass@4"] <= 1.0
             with pytest.raises(ServiceCallError) as refused:
                 await c.rollout(5)
             assert refused.value.status_code == 409 and "admission is paused" in refused.value.message
-            await c.resume_admission(True)
+            await c.resume_admission(paused.was_paused)
             state = await c.data_state()
             assert state["sample_group_index"] >= 8 and state["dataset_size"] == 12
             await c.set_data_state(state)

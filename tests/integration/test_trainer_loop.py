@@ -137,8 +137,7 @@ def leg_a_stops_during_its_first_steps(stack: Stack, run_id: str, urls: list[str
         "trainer.sleep",  # 1–3
         "engines.onload(weights)",
         *PUSH,
-        "rollout.training_ready",
-        "admission.resume",  # 4–9
+        "rollout.training_ready",  # 4–9
         "engines.onload(kv_cache)",  # 10–13
     ]
     for rollout_id in range(k):

@@ -110,7 +110,7 @@ class RolloutClient(ServiceClient):
     async def pause_admission(self) -> AdmissionResult:
         return AdmissionResult.model_validate(await self.request("POST", "/v1/admission/pause"))
 
-    async def resume_admission(self, was_paused: bool = True) -> AdmissionResult:
+    async def resume_admission(self, was_paused: bool) -> AdmissionResult:
         out = await self.request("POST", "/v1/admission/resume", json={"was_paused": was_paused})
         return AdmissionResult.model_validate(out)
 

@@ -168,13 +168,16 @@ class MemoryResult(BaseModel):
 
 
 class ResumeAdmissionRequest(_Request):
-    was_paused: bool = True
-    """What pause returned; resume only undoes a pause that took effect (seed step 53)."""
+    was_paused: bool
+    """What pause returned (seed step 53): True, admission was paused before step 44 and stays
+    paused; False, step 44's pause is undone."""
 
 
 class AdmissionResult(BaseModel):
     was_paused: bool
+    """Pause: whether admission was already paused before this call (seed step 44); resume: as sent."""
     paused: bool
+    """Whether admission is paused now."""
 
 
 class UpdateLockRequest(_Request):

@@ -304,20 +304,20 @@ def _add_control_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
     @app.post("/v1/admission/pause", response_model=AdmissionResult, dependencies=auth)
     async def pause(request: Request) -> AdmissionResult:
         a = mgr(request).admission
-        a.paused = True
-        return AdmissionResult(was_paused=True, paused=True)
+        return AdmissionResult(was_paused=a.pause(), paused=a.paused)
 
     @app.post("/v1/admission/resume", response_model=AdmissionResult, dependencies=auth)
     async def resume(body: ResumeAdmissionRequest, request: Request) -> AdmissionResult:
         a = mgr(request).admission
-        if body.was_paused:
-            a.paused = False
+        a.resume(body.was_paused)
         return AdmissionResult(was_paused=body.was_paused, paused=a.paused)
 
     @app.post("/v1/training-ready", dependencies=auth)
     async def training_ready(request: Request) -> dict[str, Any]:
+        """Seed step 9: the trainer's weights are on the engines. Admission that a previous run's
+        last step left paused (it skips step 53) opens again, as the seed's recovery resume does."""
         a = mgr(request).admission
-        a.training_ready = True
+        a.paused = False
         return {"training_ready": True, "admission_paused": a.paused}
 
     @app.post("/v1/training-completed/{rollout_id}", response_model=TrainingCompleted, dependencies=auth)
@@ -325,8 +325,6 @@ def _add_control_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
         m: RolloutManager = mgr(request)
         if rollout_id < 0:
             raise ServiceError(422, "rollout_id must be >= 0")
-        m.admission.completed.append(rollout_id)
-        del m.admission.completed[:-100]
         pending = await m.sink.pending_count() if m.sink is not None else 0
         return TrainingCompleted(rollout_id=rollout_id, pending_batches=pending)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vime.config import RunConfig
@@ -37,8 +37,18 @@ class Admission:
     """Whether new training rollouts may start (seed steps 9, 44, 53); evals are not gated."""
 
     paused: bool = False
-    training_ready: bool = False
-    completed: list[int] = field(default_factory=list)
+
+    def pause(self) -> bool:
+        """Step 44 (`pause_rollout_admission`): pause; returns whether admission already was
+        paused (``was_paused``), in which case step 53 leaves it paused."""
+        was_paused, self.paused = self.paused, True
+        return was_paused
+
+    def resume(self, was_paused: bool) -> None:
+        """Step 53 (`resume_rollout_admission`): undo step 44's pause unless it found admission
+        paused already (``was_paused`` True: nothing of ours to undo)."""
+        if not was_paused:
+            self.paused = False
 
 
 class RolloutManager:

@@ -109,10 +109,10 @@ class RunOps:
         return state
 
     async def training_ready(self) -> None:
-        """Step 9; a run that resumes after a final step finds admission paused (step 53 skipped)."""
+        """Step 9: the weights are on the engines (the rollout manager opens admission a previous
+        run's last step left paused)."""
         await self.rollout.training_ready()
         self.events.record("rollout.training_ready")
-        await self.resume_rollout_admission(True)
 
     # --- memory (seed steps 4–7, 10–13, 33–36, 37, 41, 43, 54) -------------------------------
     async def onload_weights(self) -> None:
@@ -201,13 +201,15 @@ class RunOps:
 
     # --- weight sync (seed steps 44–53) -------------------------------------------------------
     async def pause_rollout_admission(self) -> bool:
+        """Step 44: no training rollout starts while weights change; returns ``was_paused``."""
         result = await self.rollout.pause_admission()
-        self.events.record("admission.pause")
+        self.events.record("admission.pause", was_paused=result.was_paused)
         return result.was_paused
 
     async def resume_rollout_admission(self, was_paused: bool) -> None:
-        await self.rollout.resume_admission(was_paused)
-        self.events.record("admission.resume")
+        """Step 53: undo step 44's pause (a no-op when it found admission paused already)."""
+        result = await self.rollout.resume_admission(was_paused)
+        self.events.record("admission.resume", was_paused=was_paused, paused=result.paused)
 
     async def update_weights(
         self, version: int, flush: bool, *, stale_only: bool = False

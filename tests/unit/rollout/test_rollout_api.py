@@ -131,12 +131,20 @@ def test_rollout_refused_while_offloaded_or_paused(client: Any) -> None:
     assert "kv_cache asleep" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 409)
     r = c.post("/v1/engines/onload", json={"tags": ["kv_cache", "cuda_graph"]}, headers=AUTH)
     assert r.json()["tags_sent"] == ["kv_cache"]
-    assert c.post("/v1/admission/pause", headers=AUTH).json() == {"was_paused": True, "paused": True}
+    # Seed steps 44 and 53: pause says whether admission was paused already; resume undoes only a
+    # pause that found it open, so a second pause's resume leaves the first one in force.
+    assert c.post("/v1/admission/pause", headers=AUTH).json() == {"was_paused": False, "paused": True}
     assert "admission is paused" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 409)
+    assert c.post("/v1/admission/pause", headers=AUTH).json() == {"was_paused": True, "paused": True}
+    assert c.post("/v1/admission/resume", json={"was_paused": True}, headers=AUTH).json()["paused"] is True
+    assert "was_paused" in _error(c.post("/v1/admission/resume", json={}, headers=AUTH), 422)
     # Admission gates training rollouts only: an eval (nothing published) runs while it is paused.
     ev = c.post("/v1/rollouts", json={"rollout_id": 0, "evaluation": True}, headers=AUTH)
     assert ev.status_code == 200 and ev.json()["state"] == "done", ev.text
-    assert c.post("/v1/admission/resume", json={"was_paused": True}, headers=AUTH).json()["paused"] is False
+    assert c.post("/v1/admission/resume", json={"was_paused": False}, headers=AUTH).json()["paused"] is False
+    # Step 9 opens admission a previous run's last step left paused (it skips step 53).
+    c.post("/v1/admission/pause", headers=AUTH)
+    assert c.post("/v1/training-ready", headers=AUTH).json()["admission_paused"] is False
     # Without Redis the batch cannot be published: a 502 naming why, and the prompts are not lost.
     before = c.get("/v1/data-source/state").json()["state"]
     assert "no Redis" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 502)
@@ -262,7 +270,7 @@ def test_a_preview_returns_its_samples_and_leaves_no_trace(client: Any, tokenize
     again = c.post("/v1/rollouts", json={"rollout_id": 0, "publish": False, "wait": False}, headers=AUTH)
     assert again.status_code == 202 and again.json()["job_id"] != job["job_id"]  # a new look, not the old one
     _wait_done(c, again.json()["job_id"])
-    assert c.post("/v1/admission/resume", json={"was_paused": True}, headers=AUTH).status_code == 200
+    assert c.post("/v1/admission/resume", json={"was_paused": False}, headers=AUTH).status_code == 200
     # The training rollout of the same id is its own job: here it fails to publish (no Redis).
     assert "no Redis" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 502)
 

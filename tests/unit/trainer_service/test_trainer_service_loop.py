@@ -81,7 +81,6 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
         "engines.onload(weights)",
         *PUSH,  # 4–8: v1
         "rollout.training_ready",
-        "admission.resume",
         "engines.onload(kv_cache)",  # 9–13
     ]
     assert run.actions(0) == [*STEP, *SYNC, "admission.resume", "engines.onload(kv_cache)", "step.done"]
@@ -172,6 +171,19 @@ async def test_resume_continues_at_the_checkpoint_with_the_same_versions() -> No
     assert [s.rollout_id for s in run.steps] == [1, 2]
     assert [s.metrics["batch/weight_version_max"] for s in run.steps] == [2.0, 3.0]
     assert run.ctx.status.start_rollout_id == 1
+
+
+async def test_admission_a_finished_run_left_paused_opens_at_training_ready() -> None:
+    run = Run()
+    run.rollout.admission_paused = True  # the previous run's last step skipped step 53
+    assert await run.go() is RunState.FINISHED  # the fake refuses a rollout while paused
+    pauses = [e.detail for e in run.events.events if e.action.startswith("admission.")]
+    assert pauses == [  # rollout 0: the pause found it open and is undone; rollout 1 keeps it
+        {"was_paused": False},
+        {"was_paused": False, "paused": False},
+        {"was_paused": False},
+    ]
+    assert run.rollout.admission_paused
 
 
 async def test_resume_behind_the_engines_takes_a_newer_version() -> None:

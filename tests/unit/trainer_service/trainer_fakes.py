@@ -148,18 +148,19 @@ class FakeRollout:
 
     async def pause_admission(self) -> AdmissionResult:
         self.calls.append(("pause_admission", None))
-        self.admission_paused = True
-        return AdmissionResult(was_paused=True, paused=True)
+        was_paused, self.admission_paused = self.admission_paused, True
+        return AdmissionResult(was_paused=was_paused, paused=True)
 
-    async def resume_admission(self, was_paused: bool = True) -> AdmissionResult:
+    async def resume_admission(self, was_paused: bool) -> AdmissionResult:
         self.calls.append(("resume_admission", was_paused))
-        if was_paused:
+        if not was_paused:
             self.admission_paused = False
         return AdmissionResult(was_paused=was_paused, paused=self.admission_paused)
 
     async def training_ready(self) -> dict[str, Any]:
         self.calls.append(("training_ready", None))
-        return {"training_ready": True}
+        self.admission_paused = False  # what a previous run's last step left paused opens again
+        return {"training_ready": True, "admission_paused": False}
 
     async def training_completed(self, rollout_id: int) -> TrainingCompleted:
         self.calls.append(("training_completed", rollout_id))
