@@ -2,9 +2,11 @@
 
 Top-level fields keep the seed's argument names (``rollout_batch_size``, ``eps_clip``, ...) so a
 command line from the seed translates one to one (``--set rollout_batch_size=32``). Deployment
-details that only one service reads live in nested sections (``reward``, ``router``, ``engine``,
-``services``, ``data``, ``trainer``; `vime.config_sections`, re-exported here), so each service
-reads only its part.
+details are grouped in nested sections by the service that uses them (``reward``, ``router``,
+``engine``, ``services``, ``data``, ``trainer``; `vime.config_sections`, re-exported here). Every
+service loads and checks the whole config, so one file configures the stack and a mistake in any
+section stops every service at start. Only what the code implements is offered: GRPO, the policy
+loss, no critic (the seed's other estimators and losses are not fields or values here).
 
 Sources, later wins: field defaults < YAML file < environment (``VIME_<FIELD>``, nested with
 ``__``: ``VIME_REWARD__TIMEOUT_S=5``) < ``--set key=value`` overrides (dotted for nested keys).
@@ -118,16 +120,14 @@ class RunConfig(Section):
     """Samples per optimizer step; derived from num_steps_per_rollout when that is set."""
     micro_batch_size: int = Field(8, ge=1)
     """Samples per micro-batch on each DP rank."""
-    advantage_estimator: Literal["grpo", "gspo", "cispo"] = "grpo"
-    """Advantage estimator."""
+    advantage_estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator: GRPO's group-normalised rewards (seed step 30), the only one implemented."""
     grpo_std_normalization: bool = True
     """Divide group-centred rewards by the group's unbiased std (+1e-6) (seed step 30)."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty coefficient against the reference model (0 = no reference model)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
-    loss_type: Literal["policy_loss"] = "policy_loss"
-    """Loss function."""
     eps_clip: float = Field(0.2, gt=0)
     """PPO clip range below 1."""
     eps_clip_high: float | None = Field(None, gt=0)
@@ -138,8 +138,6 @@ class RunConfig(Section):
     """Use the engine's log-probs as old log-probs instead of recomputing them."""
     get_mismatch_metrics: bool = False
     """Compute train/inference log-prob mismatch metrics (needs rollout log-probs)."""
-    use_critic: bool = False
-    """Train a critic (not supported yet; must stay False)."""
     tensor_model_parallel_size: int = Field(2, ge=1)
     """Megatron tensor parallel size."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
@@ -266,8 +264,6 @@ class RunConfig(Section):
                 f"colocate shares the GPUs, but rollout_num_gpus={self.rollout_num_gpus} differs from "
                 f"the trainer's {self.train_world_size} GPUs: make them equal or set colocate=false"
             )
-        if self.use_critic:
-            yield "use_critic is not supported: GRPO needs no critic; set use_critic=false"
         if self.rollout_temperature < GREEDY_TEMPERATURE:
             yield (
                 f"rollout_temperature={self.rollout_temperature} is greedy decoding: every sample of a "
@@ -303,7 +299,8 @@ class RunConfig(Section):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def rollout_concurrency(self) -> int:
-        """Size of the rollout semaphore = vllm_server_concurrency × engines (seed step 18)."""
+        """vllm_server_concurrency × num_engines: the seed's rollout semaphore (step 18). The
+        rollout manager sizes its semaphore by the engines it actually has (external ones included)."""
         return self.vllm_server_concurrency * self.num_engines
 
     @computed_field  # type: ignore[prop-decorator]
@@ -317,12 +314,6 @@ class RunConfig(Section):
     def num_microbatches_per_step(self) -> int:
         """Micro-batches per DP rank per optimizer step = global_batch_size // (micro_batch_size × DP)."""
         return (self.global_batch_size or 0) // (self.micro_batch_size * self.dp_size)
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def weight_update_level(self) -> int:
-        """Engine sleep level during training: 2 (drop weights) when the trainer pushes new ones, else 1."""
-        return 2
 
     def effective_run_id(self, default: str = "default") -> str:
         """The run id a service works under: ``run_id``, else ``$VIME_RUN_ID``, else ``default``.

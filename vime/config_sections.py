@@ -161,8 +161,8 @@ class ServicesConfig(Section):
 
 
 class TrainerConfig(Section):
-    backend: Literal["megatron"] = "megatron"
-    """Training backend."""
+    """The Megatron trainer's settings."""
+
     lr: float = Field(1e-6, gt=0)
     """Adam learning rate."""
     weight_decay: float = Field(0.0, ge=0)

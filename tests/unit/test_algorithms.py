@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,14 +146,8 @@ def test_can_reuse_log_probs_seed_step_38() -> None:
     assert can_reuse_log_probs_in_loss(cfg, [8]) is True
     cfg4 = load_config(overrides=["num_steps_per_rollout=4"])
     assert can_reuse_log_probs_in_loss(cfg4, [2, 2, 2, 2]) is False
-    for override in [
-        "kl_coef=0.01",
-        "use_rollout_logprobs=true",
-        "get_mismatch_metrics=true",
-        "advantage_estimator=gspo",
-    ]:
+    for override in ["kl_coef=0.01", "use_rollout_logprobs=true", "get_mismatch_metrics=true"]:
         assert can_reuse_log_probs_in_loss(load_config(overrides=[override]), [8]) is False, override
-    assert can_reuse_log_probs_in_loss(SimpleNamespace(), [8]) is True
 
 
 def test_should_flush_cache_seed_steps_8_and_45() -> None:

@@ -47,7 +47,10 @@ def test_explicit_values_are_kept() -> None:
         (["rollout_max_context_len=1000"], "raise the context or shorten prompts/responses"),
         (["micro_batch_size=48"], "not a multiple of micro_batch_size × DP size"),
         (["rollout_num_gpus=4"], "make them equal or set colocate=false"),
-        (["use_critic=true"], "use_critic is not supported"),
+        (["use_critic=false"], "use_critic: Extra inputs are not permitted"),  # not offered
+        (["advantage_estimator=gspo"], "advantage_estimator: Input should be 'grpo'"),
+        (["loss_type=policy_loss"], "loss_type: Extra inputs are not permitted"),
+        (["trainer.backend=megatron"], "trainer.backend: Extra inputs are not permitted"),
         (["rollout_temperature=0"], "rollout_temperature=0.0 is greedy decoding"),
         (["rollout_temperature=0.000001"], "set rollout_temperature > 0 (data.eval_temperature=0"),
         (["bogus_field=1"], "bogus_field: Extra inputs are not permitted"),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vime.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -67,21 +70,17 @@ def build_dp_schedule(
     return DPSchedule(partitions, micro, num_microbatches, [global_batch_size] * len(num_microbatches))
 
 
-def can_reuse_log_probs_in_loss(config: Any, num_microbatches: list[int]) -> bool:
+def can_reuse_log_probs_in_loss(config: RunConfig, num_microbatches: list[int]) -> bool:
     """Whether the loss may use the current forward's detached log-probs as old log-probs (seed step 38).
 
     True only with a single optimizer step per rollout (the policy has not moved yet when the
-    loss's forward runs), the plain policy loss, no KL term, no rollout log-probs, no mismatch
-    metrics, no critic and an estimator other than GSPO. Otherwise the trainer first recomputes
-    old log-probs with the current weights.
+    loss's forward runs), no KL term, no rollout log-probs and no mismatch metrics. The seed's other
+    conditions (the policy loss, no critic, no OPD, not GSPO) always hold: the config offers
+    nothing else. Otherwise the trainer first recomputes old log-probs with the current weights.
     """
     return (
         len(num_microbatches) == 1
-        and getattr(config, "loss_type", "policy_loss") == "policy_loss"
-        and getattr(config, "kl_coef", 0.0) == 0
-        and not getattr(config, "use_rollout_logprobs", False)
-        and not getattr(config, "get_mismatch_metrics", False)
-        and not getattr(config, "use_critic", False)
-        and not getattr(config, "use_opd", False)
-        and getattr(config, "advantage_estimator", "grpo") != "gspo"
+        and config.kl_coef == 0
+        and not config.use_rollout_logprobs
+        and not config.get_mismatch_metrics
     )

@@ -144,8 +144,13 @@ class EnginesStatus(BaseModel):
     update_lock_held: bool
 
 
+OFFLOAD_LEVEL = 2
+"""The engines' sleep while the trainer trains (seed step 34): level 2 drops weights and KV cache;
+the push refills the weights."""
+
+
 class OffloadRequest(_Request):
-    """``POST /v1/engines/offload``; level None: 2 when engines receive weight updates, else 1."""
+    """``POST /v1/engines/offload``; level None: `OFFLOAD_LEVEL`."""
 
     level: int | None = Field(None, ge=1, le=2)
 

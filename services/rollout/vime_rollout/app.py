@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from vime.service import ServiceError, create_app, make_token_checker
 from vime.wire.rollout import (
+    OFFLOAD_LEVEL,
     AdmissionResult,
     DataSourceState,
     EngineInfo,
@@ -233,7 +234,7 @@ def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
             raise ServiceError(
                 409, f"rollout job {m.jobs.running.job_id} is running: offload after it finishes"
             )
-        level = (body.level if body else None) or m.cfg.weight_update_level
+        level = (body.level if body else None) or OFFLOAD_LEVEL
         m.monitor.pause("offload")  # seed step 33: a sleeping engine is not a dead one
         start = time.perf_counter()
         results = await m.engines.offload(level)

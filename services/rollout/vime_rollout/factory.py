@@ -14,6 +14,7 @@ from pathlib import Path
 from vime.clients.reward import RewardClient
 from vime.config import RunConfig
 from vime.models import policy_model_path
+from vime.wire.rollout import OFFLOAD_LEVEL
 from vime_rollout.batch_builder import BatchSink
 from vime_rollout.data import DataSource, PromptDataset, build_dataset, read_records
 from vime_rollout.data.synthetic import arithmetic_records
@@ -105,7 +106,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
     )
     if cfg.offload_rollout:
         monitor.pause("offload")
-        await group.offload(cfg.weight_update_level)
+        await group.offload(OFFLOAD_LEVEL)
     monitor.start()
     services = cfg.services
     reward = RewardClient(services.url("reward"), token=services.token())

@@ -55,8 +55,6 @@ class TrainRank:
         from vime_trainer.megatron.train_step import TrainStep
 
         c = self.config
-        if c.advantage_estimator != "grpo":
-            raise ValueError(f"advantage_estimator={c.advantage_estimator!r} is not implemented; use grpo")
         self.info = init_rank(
             self.rank,
             self.world_size,
