@@ -84,25 +84,26 @@ class Child:
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the child's process group, SIGKILL it after ``grace_s``; returns the exit code."""
         if self.popen.poll() is None:
-            _signal_group(self.popen.pid, signal.SIGTERM)
+            signal_group(self.popen.pid, signal.SIGTERM)
             try:
                 self.popen.wait(grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(self.popen.pid, signal.SIGKILL)
+                signal_group(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(5)
         else:
             # The leader exited; make sure nothing it started lingers.
-            _signal_group(self.popen.pid, signal.SIGKILL)
+            signal_group(self.popen.pid, signal.SIGKILL)
         return self.popen.returncode
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (fault injection in tests)."""
-        _signal_group(self.popen.pid, signal.SIGKILL)
+        signal_group(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
+    """``sig`` to the process group led by ``pid`` (gone already, or not ours: nothing to do)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 

@@ -10,7 +10,6 @@ Ctrl-C), then every process still below the launcher, then check the ports are f
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -163,19 +162,19 @@ class Supervisor:
     def _stop_child(self, child: procs.Child, grace_s: float) -> None:
         if child.alive():
             t0 = time.monotonic()
-            _signal_group(child.pid, signal.SIGTERM)
+            procs.signal_group(child.pid, signal.SIGTERM)
             deadline = t0 + grace_s
             while child.alive() and time.monotonic() < deadline and not self.latch.hurry:
                 time.sleep(0.05)
             how = f"stopped in {time.monotonic() - t0:.1f}s"
             if child.alive():
                 how = "killed"
-            _signal_group(child.pid, signal.SIGKILL)
+            procs.signal_group(child.pid, signal.SIGKILL)
             with contextlib.suppress(Exception):
                 child.popen.wait(5)
             self.console.print(f"[dim]■ {child.name:<8} {how}[/]")
         else:
-            _signal_group(child.pid, signal.SIGKILL)  # whatever it left in its group
+            procs.signal_group(child.pid, signal.SIGKILL)  # whatever it left in its group
 
     def _report_held_ports(self) -> None:
         deadline = time.monotonic() + 3
@@ -185,8 +184,3 @@ class Supervisor:
             held = busy_ports(self.plan)
         for complaint in held:
             self.console.print(f"[yellow]after stopping: {complaint}[/]")
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
