@@ -18,7 +18,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from vime.config import ConfigError, RunConfig, load_config
+from vime.config import RunConfig
+from vime.service_cli import ConfigOpt, SetOpt, load_or_exit
 
 app = typer.Typer(help="vime: RL post-training (GRPO) built as services.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the run configuration.", no_args_is_help=True)
@@ -27,19 +28,7 @@ app.add_typer(config_app, name="config")
 err = Console(stderr=True)
 out = Console()
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run config.")]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", "-s", help="Override: key=value (dotted for sections).")
-]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every service log line.")]
-
-
-def _load(config: Path | None, set_: list[str] | None) -> RunConfig:
-    try:
-        return load_config(config, set_ or [])
-    except ConfigError as exc:
-        err.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
 
 
 def _launch_config(config: Path | None, set_: list[str] | None) -> RunConfig:
@@ -53,7 +42,7 @@ def _launch_config(config: Path | None, set_: list[str] | None) -> RunConfig:
             err.print(f"[red]{exc}[/red]")
             raise typer.Exit(2) from None
         err.print(f"[dim]config: {config} (this host's default; --config FILE to choose)[/]", highlight=False)
-    return _load(config, set_)
+    return load_or_exit(config, set_)
 
 
 def _client_config(config: Path | None, set_: list[str] | None) -> RunConfig:
@@ -61,14 +50,14 @@ def _client_config(config: Path | None, set_: list[str] | None) -> RunConfig:
     if config is None:
         from vime.launch.stack import latest_config
 
-        config = latest_config(_load(None, set_).output_dir)
-    return _load(config, set_)
+        config = latest_config(load_or_exit(None, set_).output_dir)
+    return load_or_exit(config, set_)
 
 
 @config_app.command("show")
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved config, derived values included, as JSON."""
-    typer.echo(_load(config, set_).to_json())
+    typer.echo(load_or_exit(config, set_).to_json())
 
 
 @app.command()

@@ -1,37 +1,29 @@
-"""``python -m vime_reward [--config FILE] [--set key=value ...] [--host H] [--port P]``."""
+"""``python -m vime_reward``: the reward service on ``services.reward_port``."""
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
+from typing import Annotated
 
-from vime.config import ConfigError, load_config
+import typer
+
 from vime.service import serve
+from vime.service_cli import ConfigOpt, HostOpt, SetOpt, load_or_exit, run_command, setup_logging
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Load the run config and serve the reward API on its host and port."""
-    parser = argparse.ArgumentParser(prog="python -m vime_reward", description="vime reward service")
-    parser.add_argument("--config", help="run config YAML")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--host", help="interface to bind (default: services.host)")
-    parser.add_argument("--port", type=int, help="port (default: services.reward_port)")
-    parser.add_argument("--log-level", default="warning")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def main(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    host: HostOpt = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: services.reward_port).")] = None,
+    log_level: Annotated[str, typer.Option(help="Python log level.")] = "warning",
+) -> None:
+    """vime reward service: scores samples (POST /v1/rewards)."""
+    cfg = load_or_exit(config, set_)
+    setup_logging(log_level)
     from vime_reward.app import build_app
 
-    serve(
-        build_app(cfg), args.host or cfg.services.host, args.port or cfg.services.reward_port, args.log_level
-    )
-    return 0
+    serve(build_app(cfg), host or cfg.services.host, port or cfg.services.reward_port, log_level)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main, "python -m vime_reward")

@@ -1,61 +1,64 @@
-"""``python -m vime_router [--config FILE] [--set key=value ...] [--host H] [--port P] [--data-port D]``.
+"""``python -m vime_router``: both planes of the router.
 
-Starts both planes: the control plane (this process, FastAPI on ``services.router_control_port``)
-and the data plane it supervises (the route filter on ``services.router_port`` in front of
-vllm-router on a private loopback port).
+The control plane (this process, FastAPI on ``services.router_control_port``) and the data plane
+it supervises (the route filter on ``services.router_port`` in front of vllm-router on a private
+loopback port).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import tempfile
 from pathlib import Path
+from typing import Annotated
 
-from vime.config import ConfigError, load_config
+import typer
+
 from vime.service import configured_token, serve
-from vime_router.app import build_app
-from vime_router.data_plane import DataPlaneSpec
-from vime_router.service import RouterService
+from vime.service_cli import ConfigOpt, HostOpt, SetOpt, load_or_exit, run_command, setup_logging
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vime_router", description=__doc__)
-    p.add_argument("--config", help="run config YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--host", help="interface both planes bind (default services.host)")
-    p.add_argument("--port", type=int, help="control-plane port (default services.router_control_port)")
-    p.add_argument("--data-port", type=int, help="public data-plane port (default services.router_port)")
-    p.add_argument("--log-dir", help="where vllm-router's and the filter's logs go (default: a temp dir)")
-    p.add_argument("--log-level", default="info", help="lifecycle at info; ejections and failures at warning")
-    return p.parse_args(argv)
+def main(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    host: HostOpt = None,
+    port: Annotated[
+        int | None, typer.Option(help="Control-plane port (default: services.router_control_port).")
+    ] = None,
+    data_port: Annotated[
+        int | None, typer.Option(help="Public data-plane port (default: services.router_port).")
+    ] = None,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="Where vllm-router's and the filter's logs go (default: a temp dir).")
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option(help="Lifecycle at info; ejections and failures at warning.")
+    ] = "info",
+) -> None:
+    """vime router: the engines behind one generate API, control routes never forwarded."""
+    cfg = load_or_exit(config, set_)
+    setup_logging(log_level, "httpx")  # one line per health probe drowns the log
+    from vime_router.app import build_app
+    from vime_router.data_plane import DataPlaneSpec
+    from vime_router.service import RouterService
 
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe drowns the log
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        raise SystemExit(str(exc)) from None
     services = cfg.services
-    host = args.host or services.host
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="vime-router-"))
+    host = host or services.host
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vime-router-"))
     spec = DataPlaneSpec(
-        host=host, port=args.data_port or services.router_port, config=cfg.router, log_dir=log_dir
+        host=host, port=data_port or services.router_port, config=cfg.router, log_dir=log_dir
     )
+    control_port = port or services.router_control_port
     logging.getLogger("vime.router").info(
         "router: data plane %s (policy %s), control plane http://%s:%d, logs in %s",
         spec.public_url,
         cfg.router.policy,
         host,
-        args.port or services.router_control_port,
+        control_port,
         log_dir,
     )
-    app = build_app(RouterService(cfg.router, spec), configured_token(services.token()))
-    serve(app, host, args.port or services.router_control_port)
+    serve(build_app(RouterService(cfg.router, spec), configured_token(services.token())), host, control_port)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m vime_router")

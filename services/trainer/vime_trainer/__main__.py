@@ -4,39 +4,30 @@
 where the rollout manager (with its vLLM engines), router, reward service and Redis are already
 up; prints the run's summary as JSON and exits 0 when the run finished or stopped (SIGTERM or
 SIGINT cancels it: 128 + the signal). Either way no Ray process outlives this one (`ray_exit`).
-
-Defaults come from the run config's ``services`` section; ``--set key=value`` overrides any field.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import logging
 import signal
-import sys
-from pathlib import Path
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated
 
-from vime.config import ConfigError, RunConfig, load_config
+import typer
+
+from vime.config import RunConfig, load_config
 from vime.service import configured_token, serve
+from vime.service_cli import ConfigOpt, HostOpt, SetOpt, load_or_exit, run_command, setup_logging
 from vime_trainer.ray_exit import keep_signal_handlers, shutdown_ray
 
+if TYPE_CHECKING:
+    from vime_trainer.runs import ConfigLoader
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vime_trainer", description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", choices=("serve", "run"), default="serve")
-    p.add_argument("--config", type=Path, default=None, help="YAML run config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--host", default=None, help="interface to bind (default: services.host)")
-    p.add_argument("--port", type=int, default=None, help="port (default: services.trainer_port)")
-    p.add_argument(
-        "--run-id",
-        default=None,
-        help="run: the run id (default: the config's or $VIME_RUN_ID, else a timestamp)",
-    )
-    p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+
+class Command(StrEnum):
+    SERVE = "serve"
+    RUN = "run"
 
 
 def backend_factory(cfg: RunConfig) -> object:
@@ -47,18 +38,18 @@ def backend_factory(cfg: RunConfig) -> object:
     return ActorGroup(cfg, str(policy_model_path(cfg)))
 
 
-async def run_once(args: argparse.Namespace) -> int:
+async def run_once(load: ConfigLoader, run_id: str | None) -> int:
     """One run; SIGTERM or SIGINT cancels it (ranks stopped) and exits 128 + the signal."""
     from vime.wire.trainer import RunRequest, RunState
     from vime_trainer.runs import RunRegistry
 
-    registry = RunRegistry(lambda extra: load_config(args.config, [*args.overrides, *extra]), backend_factory)  # type: ignore[arg-type]
+    registry = RunRegistry(load, backend_factory)  # type: ignore[arg-type]
     signals: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.append, sig)
     try:
-        handle = await registry.start(RunRequest(run_id=args.run_id))
+        handle = await registry.start(RunRequest(run_id=run_id))
         assert handle.task is not None
         while not handle.task.done() and not signals:
             await asyncio.wait({handle.task}, timeout=0.2)
@@ -71,25 +62,37 @@ async def run_once(args: argparse.Namespace) -> int:
     return 0 if handle.ctx.status.state in (RunState.FINISHED, RunState.STOPPED) else 1
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(
+    command: Annotated[
+        Command, typer.Argument(help="serve: the REST service; run: one run in this process, then exit.")
+    ] = Command.SERVE,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    host: HostOpt = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: services.trainer_port).")] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(help="run: the run id (default: the config's or $VIME_RUN_ID, else a timestamp)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Python log level.")] = "info",
+) -> None:
+    """vime trainer: the run controller (seed steps 1–55) and the Megatron ranks."""
     keep_signal_handlers()
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        raise SystemExit(2) from None
-    if args.command == "run":
-        raise SystemExit(asyncio.run(run_once(args)))
+    cfg = load_or_exit(config, set_)
+    setup_logging(log_level, "httpx")
+
+    def load(extra: list[str]) -> RunConfig:  # a run's config: the service's with the request's fields on top
+        return load_config(config, [*(set_ or []), *extra])
+
+    if command is Command.RUN:
+        raise typer.Exit(asyncio.run(run_once(load, run_id)))
     from vime_trainer.app import build_app
     from vime_trainer.runs import RunRegistry
 
-    registry = RunRegistry(lambda extra: load_config(args.config, [*args.overrides, *extra]), backend_factory)  # type: ignore[arg-type]
+    registry = RunRegistry(load, backend_factory)  # type: ignore[arg-type]
     app = build_app(registry, token=configured_token(cfg.services.token()), on_shutdown=shutdown_ray)
-    serve(app, args.host or cfg.services.host, args.port or cfg.services.trainer_port)
+    serve(app, host or cfg.services.host, port or cfg.services.trainer_port)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m vime_trainer")
