@@ -47,7 +47,7 @@ import httpx
 import torch
 
 from vime.clients.engine import EngineClient
-from vime.wire.engine import EngineInfo, logprobs_mode_in
+from vime.wire.engine import EngineVersion, logprobs_mode_in
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class EngineProfile:
     exact_numerics: bool
 
 
-def profile_for(info: EngineInfo) -> EngineProfile:
+def profile_for(info: EngineVersion) -> EngineProfile:
     """The profile of the engine that answered ``/version``; env VIME_CONTRACT_LOGPROB_ATOL overrides the tolerance."""
     atol_env = os.environ.get("VIME_CONTRACT_LOGPROB_ATOL")
     if info.is_reference:
@@ -90,7 +90,7 @@ class EngineUnderTest:
     url: str
     model_dir: Path
     served_name: str
-    info: EngineInfo
+    info: EngineVersion
     profile: EngineProfile
     logprobs_mode: str = "raw_logprobs"
     """What its log-probs are: ``raw_logprobs`` (before temperature) or ``processed_logprobs``."""

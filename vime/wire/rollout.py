@@ -111,14 +111,30 @@ class RolloutJob(BaseModel):
     """The samples of a preview, groups in order; None for every other job."""
 
 
+class EngineState(StrEnum):
+    """Where an engine is in the rollout manager's lifecycle (the manager is its only judge)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    """Holds the current weights and is registered with the router."""
+    NEEDS_WEIGHTS = "needs_weights"
+    """Restarted after weights were pushed: answers, out of the router until the next push."""
+    DEAD = "dead"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+LIVE = frozenset({EngineState.READY, EngineState.NEEDS_WEIGHTS})
+"""Engines that answer: they receive memory calls and weight pushes."""
+
+
 class EngineInfo(BaseModel):
     """One engine as the rollout manager sees it."""
 
     index: int
     url: str
     backend: str
-    status: str
-    """starting | ready | needs_weights | dead | restarting | stopped."""
+    status: EngineState
     registered: bool
     """Whether the router sends it requests."""
     gpu_ids: list[int] = Field(default_factory=list)

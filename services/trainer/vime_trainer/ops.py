@@ -18,15 +18,13 @@ from typing import Any, Protocol
 from vime.batch import RankBatch
 from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
-from vime.wire.rollout import EngineInfo, MemoryResult, RolloutJob
+from vime.wire.rollout import LIVE, EngineInfo, MemoryResult, RolloutJob
 from vime.wire.trainer import CheckpointResult, PushResult
 from vime_trainer.batches import BatchReader
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
 log = logging.getLogger("vime.trainer.run")
-
-LIVE = ("ready", "needs_weights")
 
 
 class RunError(RuntimeError):

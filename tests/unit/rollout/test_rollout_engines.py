@@ -11,16 +11,17 @@ from typing import Any
 import pytest
 from rollout_fakes import StubControl, StubWorld
 from vime_rollout.engines.commands import EngineCommand, reference_command, vllm_command
-from vime_rollout.engines.control import normalize_wake_tags
 from vime_rollout.engines.group import EngineGroup, EngineStartError
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, container_spec
-from vime_rollout.engines.records import EngineStatus, LockHeld, UpdateLock
+from vime_rollout.engines.records import LockHeld, UpdateLock
 from vime_rollout.engines.spec import EnginePlanError, EngineSpec, plan_engines
 from vime_rollout.factory import make_launcher
 from vime_rollout.rollout.metrics import engine_request_metrics
 
 from vime.config import RunConfig, load_config
+from vime.wire.engine import normalize_wake_tags
+from vime.wire.rollout import EngineState
 
 
 def _cfg(**over: Any) -> RunConfig:
@@ -166,7 +167,7 @@ def test_group_starts_registers_and_fans_memory_calls_out() -> None:
         group = _group(world)
         await group.start()
         urls = [r.url for r in group.records]
-        assert world.registered == urls and all(r.status is EngineStatus.READY for r in group.records)
+        assert world.registered == urls and all(r.status is EngineState.READY for r in group.records)
         res = await group.offload(2)
         assert res == dict.fromkeys(urls, "ok")
         assert sorted(c for c in world.calls if c[1] == "sleep") == sorted(
@@ -237,14 +238,14 @@ def test_dead_engine_is_restarted_and_waits_for_weights() -> None:
         assert victim.url in world.deregistered and not victim.registered
         for _ in range(100):
             await asyncio.sleep(0.01)
-            if victim.status is EngineStatus.NEEDS_WEIGHTS:
+            if victim.status is EngineState.NEEDS_WEIGHTS:
                 break
-        assert victim.status is EngineStatus.NEEDS_WEIGHTS and victim.restarts == 1
+        assert victim.status is EngineState.NEEDS_WEIGHTS and victim.restarts == 1
         assert world.starts.count(victim.url) == 2 and not victim.registered
         assert [r.url for r in group.serving()] == [group.records[0].url, group.records[2].url]
         assert group.updatable() == group.records  # the push must reach it too
         await group.weights_loaded(2, [r.url for r in group.records])
-        assert victim.status is EngineStatus.READY and victim.registered and victim.weight_version == 2
+        assert victim.status is EngineState.READY and victim.registered and victim.weight_version == 2
         await monitor.stop()
 
     asyncio.run(main())
@@ -261,15 +262,15 @@ def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_on
         world.up[victim.url] = False
         monitor.start()
         await asyncio.sleep(0.05)
-        assert victim.status is EngineStatus.READY  # a sleeping engine is not a dead one
+        assert victim.status is EngineState.READY  # a sleeping engine is not a dead one
         monitor.resume("offload")
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if victim.restarts and victim.status is EngineStatus.READY:
+            if victim.restarts and victim.status is EngineState.READY:
                 break
         # Version 0 (no push yet): the restarted engine holds the checkpoint's weights and serves.
         assert (
-            victim.status is EngineStatus.READY
+            victim.status is EngineState.READY
             and victim.registered
             and world.registered.count(victim.url) == 2
         )

@@ -13,27 +13,9 @@ from typing import Protocol
 
 from vime.clients.engine import EngineClient
 
-VLLM_WAKE_TAGS = ("weights", "kv_cache")
-"""The only tags vLLM's wake_up acts on selectively (its DEFERRABLE_TAGS, seed steps 10–13)."""
-
 HEALTH_TIMEOUT_S = 5.0
 CONTROL_TIMEOUT_S = 300.0
 """Sleep level 1 copies the weights to CPU; a 1.5B model took 2 s, larger ones take longer."""
-
-
-def normalize_wake_tags(tags: Sequence[str] | None) -> list[str] | None:
-    """Tags to send to vLLM: None wakes everything; others keep only ``weights`` / ``kv_cache``.
-
-    ``cuda_graph`` is dropped as in the seed (``_normalize_vllm_wake_tags``): CUDA-graph memory is
-    not deferrable, so it comes back with any wake-up (step 7). Order kept, duplicates removed.
-    """
-    if tags is None:
-        return None
-    out: list[str] = []
-    for t in tags:
-        if t in VLLM_WAKE_TAGS and t not in out:
-            out.append(t)
-    return out
 
 
 class EngineControl(Protocol):

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from vime.wire.engine import normalize_wake_tags
+from vime.wire.rollout import LIVE, EngineState
 from vime_rollout.engines.commands import LOGPROBS_MODE, EngineCommand
-from vime_rollout.engines.control import HEALTH_TIMEOUT_S, EngineControl, healthy, normalize_wake_tags
+from vime_rollout.engines.control import HEALTH_TIMEOUT_S, EngineControl, healthy
 from vime_rollout.engines.launchers import Launcher
-from vime_rollout.engines.records import LIVE, EngineRecord, EngineStatus, UpdateLock
+from vime_rollout.engines.records import EngineRecord, UpdateLock
 from vime_rollout.engines.spec import EngineSpec
 
 log = logging.getLogger("vime.rollout.engines")
@@ -66,7 +68,7 @@ class EngineGroup:
         """Launch every engine, wait until all answer /health, register them with the router."""
         await asyncio.gather(*(self.launch(rec) for rec in self.records))
         for rec in self.records:
-            rec.status, rec.weight_version = EngineStatus.READY, 0
+            rec.status, rec.weight_version = EngineState.READY, 0
             await self.register(rec)
 
     async def launch(self, rec: EngineRecord) -> None:
@@ -115,7 +117,7 @@ class EngineGroup:
             await self.deregister(rec)
         await asyncio.gather(*(self._stop_process(rec) for rec in self.records))
         for rec in self.records:
-            rec.status = EngineStatus.STOPPED
+            rec.status = EngineState.STOPPED
             await rec.control.aclose()
 
     async def _stop_process(self, rec: EngineRecord) -> None:
@@ -155,7 +157,7 @@ class EngineGroup:
         return [r for r in self.records if r.status in LIVE]
 
     def serving(self) -> list[EngineRecord]:
-        return [r for r in self.records if r.status is EngineStatus.READY]
+        return [r for r in self.records if r.status is EngineState.READY]
 
     async def _fan_out(
         self, records: list[EngineRecord], call: Callable[[EngineRecord], Any]
@@ -218,7 +220,7 @@ class EngineGroup:
         self.current_version = version
         for rec in targets:
             rec.weight_version = version
-            if rec.status is EngineStatus.NEEDS_WEIGHTS:
-                rec.status = EngineStatus.READY
+            if rec.status is EngineState.NEEDS_WEIGHTS:
+                rec.status = EngineState.READY
                 await self.register(rec)
         return targets

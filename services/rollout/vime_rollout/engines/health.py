@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import logging
 
+from vime.wire.rollout import EngineState
 from vime_rollout.engines.control import healthy
 from vime_rollout.engines.group import EngineGroup
-from vime_rollout.engines.records import EngineRecord, EngineStatus
+from vime_rollout.engines.records import EngineRecord
 
 log = logging.getLogger("vime.rollout.health")
 
@@ -74,36 +75,36 @@ class HealthMonitor:
         await asyncio.gather(*(self._check(rec) for rec in self.group.records))
 
     async def _check(self, rec: EngineRecord) -> None:
-        if rec.url in self._restarts or rec.status in (EngineStatus.STOPPED, EngineStatus.STARTING):
+        if rec.url in self._restarts or rec.status in (EngineState.STOPPED, EngineState.STARTING):
             return
         exited = rec.process is not None and rec.process.alive() is False
         ok = not exited and await healthy(rec.control)
         if ok:
             rec.failures = 0
-            if rec.status is EngineStatus.DEAD:  # an external engine that came back
+            if rec.status is EngineState.DEAD:  # an external engine that came back
                 await self._back(rec)
             return
         rec.failures += 1
-        if rec.status is not EngineStatus.DEAD and (exited or rec.failures >= self.failure_threshold):
-            rec.status = EngineStatus.DEAD
+        if rec.status is not EngineState.DEAD and (exited or rec.failures >= self.failure_threshold):
+            rec.status = EngineState.DEAD
             rec.last_error = "process exited" if exited else f"{rec.failures} failed health probes"
             log.warning("%s at %s is dead (%s)", rec.spec.name, rec.url, rec.last_error)
             await self.group.deregister(rec)
-        if rec.status is EngineStatus.DEAD and self.group.launcher.can_restart:
+        if rec.status is EngineState.DEAD and self.group.launcher.can_restart:
             self._restarts[rec.url] = asyncio.create_task(self._restart(rec), name=f"restart-{rec.spec.name}")
 
     async def _restart(self, rec: EngineRecord) -> None:
         try:
             delay = min(MAX_RESTART_BACKOFF_S, 2.0**rec.restarts - 1)
             await asyncio.sleep(delay)
-            rec.status = EngineStatus.RESTARTING
+            rec.status = EngineState.RESTARTING
             rec.restarts += 1
             if rec.process is not None:
                 await asyncio.to_thread(rec.process.stop)
             await self.group.launch(rec)
             await self._back(rec)
         except Exception as exc:
-            rec.status = EngineStatus.DEAD
+            rec.status = EngineState.DEAD
             rec.last_error = f"restart failed: {exc}"
             log.error("%s: %s", rec.spec.name, rec.last_error)
         finally:
@@ -113,9 +114,9 @@ class HealthMonitor:
         """A healthy engine after a death: serve now, or wait for the trainer's weights."""
         rec.failures = 0
         if self.group.current_version > 0:
-            rec.status, rec.weight_version = EngineStatus.NEEDS_WEIGHTS, 0
+            rec.status, rec.weight_version = EngineState.NEEDS_WEIGHTS, 0
             log.info("%s is back and needs weights v%d", rec.spec.name, self.group.current_version)
         else:
-            rec.status, rec.weight_version = EngineStatus.READY, 0
+            rec.status, rec.weight_version = EngineState.READY, 0
             await self.group.register(rec)
             log.info("%s is back and serving", rec.spec.name)

@@ -12,24 +12,11 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from vime.wire.rollout import LIVE, EngineState
 from vime_rollout.engines.control import EngineControl
 from vime_rollout.engines.launchers import EngineProcess
 from vime_rollout.engines.spec import EngineSpec
-
-
-class EngineStatus(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    NEEDS_WEIGHTS = "needs_weights"
-    DEAD = "dead"
-    RESTARTING = "restarting"
-    STOPPED = "stopped"
-
-
-LIVE = (EngineStatus.READY, EngineStatus.NEEDS_WEIGHTS)
-"""Engines that answer: they receive memory calls and weight pushes."""
 
 
 @dataclass
@@ -37,7 +24,7 @@ class EngineRecord:
     spec: EngineSpec
     control: EngineControl
     process: EngineProcess | None = None
-    status: EngineStatus = EngineStatus.STARTING
+    status: EngineState = EngineState.STARTING
     registered: bool = False
     weight_version: int | None = None
     """Version of the weights it holds: 0 = the checkpoint it started from."""
