@@ -196,6 +196,9 @@ class AdmissionResult(BaseModel):
 class UpdateLockRequest(_Request):
     ttl_s: float = Field(600.0, gt=0, le=3600)
     """The lease expires after this, so a trainer that dies while pushing does not block forever."""
+    lease_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{8,64}$")
+    """The caller's name for the lease: asking again with the lease it holds renews it (a request
+    repeated after a lost reply) instead of answering 409. None: the manager names it."""
 
 
 class UpdatableEngines(BaseModel):

@@ -257,7 +257,7 @@ def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
     async def update_lock(body: UpdateLockRequest, request: Request) -> UpdatableEngines:
         m: RolloutManager = mgr(request)
         try:
-            lease = m.engines.lock.acquire(body.ttl_s)
+            lease = m.engines.lock.acquire(body.ttl_s, body.lease_id)
         except LockHeld as exc:
             raise ServiceError(409, str(exc)) from None
         engines = m.engines.updatable()

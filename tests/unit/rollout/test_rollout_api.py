@@ -4,10 +4,12 @@ repeated here."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from rollout_fakes import FakeGenerator, FakeScorer, StubControl, StubWorld
@@ -22,7 +24,10 @@ from vime_rollout.manager import RolloutManager
 from vime_rollout.sft import SftExamples
 
 from vime.algorithms import normalize_group_rewards
+from vime.clients.base import ServiceCallError, ServiceUnreachable
+from vime.clients.rollout import RolloutClient
 from vime.config import RunConfig, load_config
+from vime.procs import free_port
 
 TOKEN = "t0ken"
 COMMON: dict[str, Any] = {
@@ -276,3 +281,54 @@ def _wait_done(c: Any, job_id: str) -> dict[str, Any]:
             return job
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} still running")
+
+
+class LoseFirstReply(httpx.AsyncBaseTransport):
+    """Hands each request to the app; the first reply is lost after the app processed it."""
+
+    def __init__(self, app: TestClient) -> None:
+        self.app = app
+        self.calls = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        body = await request.aread()
+        r = await asyncio.to_thread(
+            self.app.request, request.method, request.url.path, content=body, headers=dict(request.headers)
+        )
+        if self.calls == 1:
+            raise httpx.ReadError("connection reset after the request was processed")
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+
+def test_update_lock_sent_again_after_a_lost_reply_gets_its_own_lease(client: Any) -> None:
+    c, _, _ = client
+
+    async def main() -> None:
+        lossy = LoseFirstReply(c)
+        async with RolloutClient("http://testserver", token=TOKEN, transport=lossy, backoff_s=0.01) as rc:
+            lock = await rc.update_lock(30)  # processed, reply lost, sent again: not its own 409
+            assert lossy.calls == 2 and lock.lease_id and len(lock.engines) == 2
+            assert (await rc.engines()).update_lock_held
+            other = LoseFirstReply(c)
+            other.calls = 1  # nothing lost: another caller is refused while the lease is held
+            async with RolloutClient("http://testserver", token=TOKEN, transport=other) as rc2:
+                with pytest.raises(ServiceCallError) as held:
+                    await rc2.update_lock(30)
+            assert held.value.status_code == 409
+            await rc.release_update_lock(lock.lease_id)
+            lossy.calls = 0  # a call that is not idempotent is not sent again after a lost reply
+            with pytest.raises(ServiceUnreachable):
+                await rc.training_completed(0)
+            assert lossy.calls == 1
+
+    asyncio.run(main())
+
+
+def test_a_refused_connection_is_retried_for_every_call() -> None:
+    async def main() -> None:
+        async with RolloutClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as rc:
+            with pytest.raises(ServiceUnreachable, match="after 3 attempt"):
+                await rc.training_completed(0)  # not idempotent, but it never reached the service
+
+    asyncio.run(main())

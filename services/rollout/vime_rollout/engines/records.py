@@ -56,13 +56,14 @@ class UpdateLock:
     def held(self) -> bool:
         return self.lease_id is not None and time.monotonic() < self.expires_at
 
-    def acquire(self, ttl_s: float) -> str:
-        if self.held():
+    def acquire(self, ttl_s: float, lease_id: str | None = None) -> str:
+        """Take the lock as ``lease_id`` (a new id when None); the holder asking again renews it."""
+        if self.held() and (lease_id is None or lease_id != self.lease_id):
             raise LockHeld(
                 f"the weight-update lock is held by lease {self.lease_id} for "
                 f"{self.expires_at - time.monotonic():.0f} more seconds"
             )
-        self.lease_id = uuid.uuid4().hex[:16]
+        self.lease_id = lease_id or uuid.uuid4().hex[:16]
         self.expires_at = time.monotonic() + ttl_s
         return self.lease_id
 
