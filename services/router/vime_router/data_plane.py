@@ -2,8 +2,8 @@
 
 - vllm-router on a private loopback port: picks the engine (policy from the config), retries
   refused connections on another engine. Circuit breaker off (under overload every circuit opens
-  at once and it answers 503 to everything), its own health checks effectively off (the control
-  plane ejects engines and keeps vllm-router's worker list; two judges would disagree), request
+  at once and it answers 503 to everything), its own health checks effectively off (the rollout
+  manager is the one judge of engine health and registers only the engines that serve), request
   timeout from the config, ``--log-level warning`` *and* ``RUST_LOG=warn``: 0.1.17 ignores the
   flag and logs two or three INFO lines per request (consistent_hash's CONSISTENT_HASH_DEBUG).
 - the route filter (`vime_router.gate_server`) on the public port, forwarding only the generate
@@ -32,7 +32,12 @@ from vime_router.placeholders import Placeholders
 log = logging.getLogger("vime.router.data_plane")
 
 ROUTER_HEALTH_INTERVAL_S = 86_400
-"""vllm-router's own health checks: once a day, i.e. off; the control plane's checks decide."""
+"""vllm-router's own health checks: once a day, i.e. off; the registrants decide what serves."""
+WORKER_ADD_TIMEOUT_S = 10
+"""How long vllm-router's ``POST /workers`` waits for a new worker's ``/health``."""
+LIVENESS_INTERVAL_S = 2.0
+LIVENESS_TIMEOUT_S = 2.0
+"""Each data-plane process must answer its ready URL this fast, every interval (3 misses: killed)."""
 
 
 @dataclass
@@ -70,7 +75,7 @@ def vllm_router_argv(spec: DataPlaneSpec) -> list[str]:
         "--request-timeout-secs", str(max(1, round(cfg.request_timeout_s))),
         "--max-payload-size", str(cfg.max_body_bytes),
         "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
-        "--worker-startup-timeout-secs", str(max(1, round(cfg.health_check_timeout_s * 5))),
+        "--worker-startup-timeout-secs", str(WORKER_ADD_TIMEOUT_S),
         "--worker-startup-check-interval", "1",
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(spec.prometheus_port),
@@ -204,12 +209,11 @@ class DataPlane:
     async def supervise(self, interval_s: float = 0.25) -> None:
         """Restart a process that exited or hangs (forever; cancelled when the service stops).
 
-        Liveness: every ``health_check_interval_s`` each process must answer its ready URL within
-        max(2 s, ``health_check_timeout_s``); three silences in a row and it is killed and restarted.
+        Liveness: every `LIVENESS_INTERVAL_S` each process must answer its ready URL within
+        `LIVENESS_TIMEOUT_S`; three silences in a row and it is killed and restarted.
         """
-        cfg = self.spec.config
-        every = max(1, round(cfg.health_check_interval_s / interval_s))
-        timeout = max(2.0, cfg.health_check_timeout_s)
+        every = max(1, round(LIVENESS_INTERVAL_S / interval_s))
+        timeout = LIVENESS_TIMEOUT_S
         tick = 0
         while True:
             await asyncio.sleep(interval_s)

@@ -277,3 +277,48 @@ def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_on
         await monitor.stop()
 
     asyncio.run(main())
+
+
+def test_the_router_is_kept_holding_exactly_the_serving_engines() -> None:
+    """The monitor is the one judge: a router that lost its registry (restarted) gets the serving
+    engines back, and an engine that does not serve is taken out, at the next check."""
+
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=3)
+        await group.start()
+        await group.weights_loaded(1, None)
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=2)
+        world.held.clear()  # the router restarted and holds nothing
+        group.records[2].status = EngineState.NEEDS_WEIGHTS  # restarted, waiting for a push
+        world.held.add(group.records[2].url)  # ... but somebody registered it
+        world.held.add("http://someone-elses:1")  # registered by a user: not ours to judge
+        await monitor.check_once()
+        assert world.held == {group.records[0].url, group.records[1].url, "http://someone-elses:1"}
+        assert [r.registered for r in group.records] == [True, True, False]
+        await monitor.stop()
+
+    asyncio.run(main())
+
+
+def test_an_external_engine_is_taken_out_while_it_fails_and_put_back_when_it_answers() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        world.can_restart = False  # engines attached by URL: the manager cannot restart them
+        group = _group(world, n=2)
+        await group.start()
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=2)
+        ext = group.records[1]
+        world.up[ext.url] = False
+        await monitor.check_once()
+        assert ext.status is EngineState.READY and ext.registered  # one failed probe is not enough
+        await monitor.check_once()
+        assert (
+            ext.status is EngineState.DEAD and ext.url not in world.held and world.starts.count(ext.url) == 1
+        )
+        world.up[ext.url] = True
+        await monitor.check_once()
+        assert ext.status is EngineState.READY and ext.url in world.held and ext.registered
+        await monitor.stop()
+
+    asyncio.run(main())

@@ -14,6 +14,7 @@ from typing import Protocol
 from vime.clients.engine import EngineClient
 
 HEALTH_TIMEOUT_S = 5.0
+"""Default bound of a /health probe (``engine.health_check_timeout_s``) and of a /metrics read."""
 CONTROL_TIMEOUT_S = 300.0
 """Sleep level 1 copies the weights to CPU; a 1.5B model took 2 s, larger ones take longer."""
 
@@ -45,9 +46,9 @@ def engine_control(url: str) -> EngineControl:
     return EngineClient(url, timeout=CONTROL_TIMEOUT_S, retries=1, max_connections=8)
 
 
-async def healthy(control: EngineControl) -> bool:
-    """True when the engine answers /health with 200 within a few seconds; never raises."""
+async def healthy(control: EngineControl, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """True when the engine answers /health with 200 within ``timeout_s``; never raises."""
     try:
-        return await asyncio.wait_for(control.health(), HEALTH_TIMEOUT_S)
+        return await asyncio.wait_for(control.health(), timeout_s)
     except Exception:
         return False
