@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from vime_router.data_plane import DataPlaneSpec, gate_argv, vllm_router_argv
+from vime_router.data_plane import DataPlaneSpec, filter_argv, vllm_router_argv
 from vime_router.registry import Registry
 
 from vime.config import EngineConfig, RouterConfig, load_config
@@ -115,9 +116,12 @@ def test_vllm_router_command_line_follows_the_config(tmp_path: Path) -> None:
     assert flag["--log-level"] == "warning"
     assert "--disable-circuit-breaker" in argv
     assert int(flag["--health-check-interval-secs"]) >= 3600
-    g = gate_argv(spec)
-    assert g[g.index("--port") + 1] == "18080" and g[g.index("--host") + 1] == "0.0.0.0"
-    assert g[g.index("--upstream-port") + 1] == str(spec.router_port)
+    caddy = filter_argv(spec)
+    assert caddy[1:3] == ["run", "--config"]
+    public = json.loads(Path(caddy[3]).read_text())["apps"]["http"]["servers"]["public"]
+    assert public["listen"] == ["0.0.0.0:18080"]
+    proxies = [h for r in public["routes"] for h in r["handle"] if h["handler"] == "reverse_proxy"]
+    assert {p["upstreams"][0]["dial"] for p in proxies} == {f"127.0.0.1:{spec.router_port}"}
     assert spec.public_url == "http://127.0.0.1:18080"
 
 

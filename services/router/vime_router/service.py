@@ -42,7 +42,7 @@ class RouterService:
         self._http = httpx.AsyncClient(
             timeout=ENGINE_CALL_TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0)
         )
-        self.gate_counters: dict[str, int] = {}
+        self.filter_counts: dict[str, int] = {}
         self.sync_errors = 0
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -68,7 +68,7 @@ class RouterService:
         """The filter's counters, and vllm-router's worker list re-synced with the registry."""
         while True:
             await asyncio.sleep(SYNC_INTERVAL_S)
-            self.gate_counters = await self.data_plane.gate_stats() or self.gate_counters
+            self.filter_counts = await self.data_plane.filter_counts() or self.filter_counts
             await self.sync_quietly()
 
     # --- syncing vllm-router's worker list ----------------------------------------------------
@@ -147,9 +147,9 @@ class RouterService:
             filter_pid=filter_pid,
             restarts=self.data_plane.restarts,
             workers=list(self.workers.last_seen),
-            forwarded=self.gate_counters.get("forwarded", 0),
-            refused=self.gate_counters.get("refused", 0),
-            in_flight=self.gate_counters.get("in_flight", 0),
+            forwarded=self.filter_counts.get("forwarded", 0),
+            refused=self.filter_counts.get("refused", 0),
+            in_flight=self.filter_counts.get("in_flight", 0),
         )
 
     def listing(self) -> EngineList:
