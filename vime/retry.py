@@ -28,56 +28,42 @@ from tenacity import (
     wait_exponential_jitter,
     wait_fixed,
 )
-from tenacity.stop import stop_base
 
 log = logging.getLogger("vime.retry")
 
 T = TypeVar("T")
 
 
-def _stop(timeout_s: float | None) -> stop_base:
-    return stop_never if timeout_s is None else stop_after_delay(timeout_s)
+def _polling(timeout_s: float | None, interval_s: float, what: str) -> dict[str, Any]:
+    """What `AsyncRetrying` / `Retrying` take to poll: retry while the result is falsy."""
 
-
-def _falsy(value: object) -> bool:
-    return not value
-
-
-def _timed_out(what: str, timeout_s: float | None) -> Callable[[RetryCallState], NoReturn]:
     def raise_timeout(state: RetryCallState) -> NoReturn:
         raise TimeoutError(f"{what}: not after {timeout_s:g}s ({state.attempt_number} checks)")
 
-    return raise_timeout
+    return {
+        "stop": stop_never if timeout_s is None else stop_after_delay(timeout_s),
+        "wait": wait_fixed(interval_s),
+        "retry": retry_if_result(lambda value: not value),
+        "retry_error_callback": raise_timeout,
+    }
 
 
 async def poll_until(
     check: Callable[[], Awaitable[T | None]], *, timeout_s: float | None, interval_s: float, what: str
 ) -> T:
     """Await ``check()`` every ``interval_s`` until it returns a truthy value, and return it."""
-    retrying = AsyncRetrying(
-        stop=_stop(timeout_s),
-        wait=wait_fixed(interval_s),
-        retry=retry_if_result(_falsy),
-        retry_error_callback=_timed_out(what, timeout_s),
-    )
 
     async def attempt() -> T | None:  # awaited here: tenacity would not await a plain callable's result
         return await check()
 
-    return cast(T, await retrying(attempt))  # a truthy result: never None
+    return cast(T, await AsyncRetrying(**_polling(timeout_s, interval_s, what))(attempt))
 
 
 def poll_until_blocking(
     check: Callable[[], T | None], *, timeout_s: float | None, interval_s: float, what: str
 ) -> T:
     """`poll_until` for code that is not async (the check and the sleeps block the thread)."""
-    retrying = Retrying(
-        stop=_stop(timeout_s),
-        wait=wait_fixed(interval_s),
-        retry=retry_if_result(_falsy),
-        retry_error_callback=_timed_out(what, timeout_s),
-    )
-    return cast(T, retrying(check))
+    return cast(T, Retrying(**_polling(timeout_s, interval_s, what))(check))
 
 
 def _log_retry(state: RetryCallState) -> None:

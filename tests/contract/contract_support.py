@@ -37,7 +37,6 @@ import asyncio
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ import httpx
 import torch
 
 from vime.clients.engine import EngineClient
+from vime.retry import poll_until
 from vime.wire.engine import EngineVersion, logprobs_mode_in
 
 
@@ -163,11 +163,7 @@ class HFReference:
 async def wait_for(
     predicate: Callable[[], Awaitable[bool]], timeout: float = 30.0, interval: float = 0.02
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
+    await poll_until(predicate, timeout_s=timeout, interval_s=interval, what="the condition")
 
 
 async def debug_state(url: str) -> dict[str, Any]:

@@ -5,7 +5,6 @@ repeated here."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from vime.clients.base import ServiceCallError, ServiceUnreachable
 from vime.clients.rollout import RolloutClient
 from vime.config import RunConfig, load_config
 from vime.procs import free_port
+from vime.retry import poll_until_blocking
 
 TOKEN = "t0ken"
 COMMON: dict[str, Any] = {
@@ -164,13 +164,12 @@ def test_eval_rollout_and_concurrency_conflict(client: Any) -> None:
     assert "offload after it finishes" in _error(c.post("/v1/engines/offload", headers=AUTH), 409)
     gen.hold_after = None
     gen.abort_event.set()  # every request now comes back aborted, as from an engine paused for good
-    deadline = time.monotonic() + 20
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/rollouts/{job_id}").json()
-        if job["state"] != "running":
-            break
-        time.sleep(0.05)
+    job: dict[str, Any] = poll_until_blocking(
+        lambda: (j := c.get(f"/v1/rollouts/{job_id}").json())["state"] != "running" and j,
+        timeout_s=20,
+        interval_s=0.05,
+        what="the rollout job ended",
+    )
     # Aborted by the engines, not by a full batch: retried a bounded number of times, then failed.
     assert job["state"] == "failed" and "aborted by the engines 6 times" in job["error"]
     assert c.post("/v1/rollouts", json={"rollout_id": 6}, headers=AUTH).status_code != 409  # slot free again
@@ -273,13 +272,14 @@ def test_a_preview_returns_its_samples_and_leaves_no_trace(client: Any, tokenize
 
 
 def _wait_done(c: Any, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        job: dict[str, Any] = c.get(f"/v1/rollouts/{job_id}").json()
-        if job["state"] != "running":
-            assert job["state"] == "done", job
-            return job
-        time.sleep(0.05)
+    job: dict[str, Any] = poll_until_blocking(
+        lambda: (j := c.get(f"/v1/rollouts/{job_id}").json())["state"] != "running" and j,
+        timeout_s=20,
+        interval_s=0.05,
+        what="the rollout job ended",
+    )
+    assert job["state"] == "done", job
+    return job
     raise AssertionError(f"job {job_id} still running")
 
 

@@ -20,6 +20,7 @@ from vime_rollout.factory import make_launcher
 from vime_rollout.rollout.metrics import engine_request_metrics
 
 from vime.config import RunConfig, load_config
+from vime.retry import poll_until
 from vime.wire.engine import normalize_wake_tags
 from vime.wire.rollout import EngineState
 
@@ -236,10 +237,11 @@ def test_dead_engine_is_restarted_and_waits_for_weights() -> None:
         world.up[victim.url] = False
         await monitor.check_once()
         assert victim.url in world.deregistered and not victim.registered
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if victim.status is EngineState.NEEDS_WEIGHTS:
-                break
+
+        async def waiting() -> bool:
+            return victim.status is EngineState.NEEDS_WEIGHTS
+
+        await poll_until(waiting, timeout_s=5, interval_s=0.01, what="restarted, waiting for weights")
         assert victim.status is EngineState.NEEDS_WEIGHTS and victim.restarts == 1
         assert world.starts.count(victim.url) == 2 and not victim.registered
         assert [r.url for r in group.serving()] == [group.records[0].url, group.records[2].url]
@@ -264,10 +266,11 @@ def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_on
         await asyncio.sleep(0.05)
         assert victim.status is EngineState.READY  # a sleeping engine is not a dead one
         monitor.resume("offload")
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if victim.restarts and victim.status is EngineState.READY:
-                break
+
+        async def serving() -> bool:
+            return victim.restarts > 0 and victim.status is EngineState.READY
+
+        await poll_until(serving, timeout_s=5, interval_s=0.01, what="restarted and serving")
         # Version 0 (no push yet): the restarted engine holds the checkpoint's weights and serves.
         assert (
             victim.status is EngineState.READY
