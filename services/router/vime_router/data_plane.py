@@ -27,7 +27,6 @@ import httpx
 
 from vime import procs
 from vime.config import RouterConfig
-from vime.retry import poll_until
 from vime_router.placeholders import Placeholders
 from vime_router.route_filter import caddy_binary, filter_counters, write_config
 
@@ -101,33 +100,6 @@ def filter_argv(spec: DataPlaneSpec) -> list[str]:
     return [caddy_binary(), "run", "--config", str(config)]
 
 
-async def wait_answering(url: str, child: procs.Child, timeout_s: float) -> None:
-    """Poll ``url`` until it answers 200; fail early if the child exits."""
-    last = "no answer"
-    async with httpx.AsyncClient(timeout=2.0) as http:
-
-        async def answers() -> bool:
-            nonlocal last
-            if not child.alive():
-                raise procs.StartupError(
-                    f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}"
-                )
-            try:
-                r = await http.get(url)
-            except httpx.HTTPError as exc:
-                last = type(exc).__name__
-                return False
-            last = f"HTTP {r.status_code}"
-            return r.status_code == 200
-
-        try:
-            await poll_until(answers, timeout_s=timeout_s, interval_s=0.1, what=url)
-        except TimeoutError:
-            raise procs.StartupError(
-                f"{child.name}: {url} not ready after {timeout_s:.0f}s ({last})\n{child.log_tail()}"
-            ) from None
-
-
 class Supervised:
     """One data-plane process: how to start it and how to tell it is ready."""
 
@@ -164,7 +136,7 @@ class Supervised:
             self.name, argv, log_path=self.log_path, env={**self.env, "VIME_PARENT_PID": str(os.getpid())}
         )
         self.started_at = time.monotonic()
-        await wait_answering(self.ready_url, self.child, self.timeout_s)
+        await asyncio.to_thread(procs.wait_healthy, self.ready_url, self.child, self.timeout_s, path="")
 
     async def stop(self) -> None:
         if self.child is not None:
