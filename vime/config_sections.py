@@ -75,16 +75,13 @@ class RewardConfig(Section):
 class RouterConfig(Section):
     policy: Literal["round_robin", "power_of_two", "consistent_hash"] = "round_robin"
     """Routing policy of the data plane (seed step 21); consistent_hash keys on X-Session-ID."""
-    health_check_interval_s: float = Field(2.0, gt=0)
-    """How often the router probes each engine's /health."""
-    health_failure_threshold: int = Field(2, ge=1)
-    """Consecutive failed probes that eject an engine."""
-    health_success_threshold: int = Field(1, ge=1)
-    """Consecutive good probes that re-admit an ejected engine."""
-    health_check_timeout_s: float = Field(1.0, gt=0)
-    """How long one /health probe may take before it counts as a failure."""
     request_timeout_s: float = Field(1800.0, gt=0)
     """Data-plane request timeout; long enough for a 1024-token generation under load."""
+    retry_window_s: float = Field(300.0, ge=0)
+    """How long the rollout manager keeps sending a generate again that no engine answered (its
+    engine died; the router has no engine, or is restarting): connection failures, 502/503/504 and
+    vllm-router's transport 500s are retried with backoff for this long, then the rollout fails.
+    Long enough for an engine restart (CPU reference engine ~10 s, vLLM a minute or more)."""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     """Largest generate request body the data plane accepts (413 above)."""
     startup_timeout_s: float = Field(60.0, gt=0)
@@ -112,6 +109,13 @@ class EngineConfig(Section):
     """Extra command-line arguments passed to every vllm serve."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to answer /health after launch."""
+    health_check_interval_s: float = Field(2.0, gt=0)
+    """How often the rollout manager (the one judge of engine health) checks each engine: a process
+    that exited is taken out of the router at the next check."""
+    health_failure_threshold: int = Field(2, ge=1)
+    """Consecutive failed /health probes that make an engine dead (taken out, restarted if ours)."""
+    health_check_timeout_s: float = Field(5.0, gt=0)
+    """How long one /health probe may take before it counts as a failure."""
     reference_max_batch: int = Field(256, ge=1)
     """Reference engine: most sequences decoded together in one forward pass."""
     reference_kv_cache_bytes: int = Field(4 << 30, ge=1 << 20)

@@ -15,13 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from vime.retry import poll_until_blocking
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -157,24 +158,30 @@ def wait_healthy(
     interval_s: float = 0.1,
 ) -> None:
     """Poll ``url + path`` until it answers 200; fail early if the child exits."""
-    deadline = time.monotonic() + timeout_s
     last = ""
     with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
+            nonlocal last
             if child is not None and not child.alive():
                 raise StartupError(
                     f"{child.name} exited with {child.popen.returncode} before it was healthy:\n{child.log_tail()}"
                 )
             try:
                 r = client.get(url.rstrip("/") + path)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
                 last = type(exc).__name__
-            time.sleep(interval_s)
-    tail = f"\n{child.log_tail()}" if child is not None else ""
-    raise StartupError(f"{url}{path} not healthy after {timeout_s:.0f}s (last: {last}){tail}")
+                return False
+            last = f"HTTP {r.status_code}"
+            return r.status_code == 200
+
+        try:
+            poll_until_blocking(healthy, timeout_s=timeout_s, interval_s=interval_s, what=f"{url}{path}")
+        except TimeoutError:
+            tail = f"\n{child.log_tail()}" if child is not None else ""
+            raise StartupError(
+                f"{url}{path} not healthy after {timeout_s:.0f}s (last: {last}){tail}"
+            ) from None
 
 
 def redis_server_binary() -> str | None:
@@ -221,12 +228,15 @@ def start_redis(
         "no",
     ]
     child = start("redis", argv, log_path=data / "redis.log")
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+
+    def listening() -> bool:
         if not child.alive():
             raise StartupError(f"redis-server exited: {child.log_tail()}")
-        if port_open(host, port):
-            return child
-        time.sleep(0.05)
-    child.stop()
-    raise StartupError(f"redis-server did not listen on {host}:{port}")
+        return port_open(host, port)
+
+    try:
+        poll_until_blocking(listening, timeout_s=15, interval_s=0.05, what="redis-server listening")
+    except TimeoutError:
+        child.stop()
+        raise StartupError(f"redis-server did not listen on {host}:{port}") from None
+    return child

@@ -30,7 +30,7 @@ from contract_pushers import WeightPusher, make_pusher
 from contract_support import EngineUnderTest, HFReference, logprobs_mode_of, profile_for
 
 from vime.clients.engine import EngineClient
-from vime.wire.engine import EngineInfo
+from vime.wire.engine import EngineVersion
 
 ENV_URL = "VIME_CONTRACT_ENGINE_URL"
 ENV_MODEL = "VIME_CONTRACT_MODEL_DIR"
@@ -38,7 +38,7 @@ ENV_MODEL = "VIME_CONTRACT_MODEL_DIR"
 
 def _describe(url: str, model_dir: Path) -> EngineUnderTest:
     with httpx.Client(timeout=30) as c:
-        info = EngineInfo.from_body(c.get(url + "/version").json())
+        info = EngineVersion.from_body(c.get(url + "/version").json())
         served = c.get(url + "/v1/models").json()["data"][0]["id"]
     return EngineUnderTest(url, model_dir, served, info, profile_for(info), logprobs_mode_of(url))
 

@@ -37,7 +37,6 @@ import asyncio
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,8 @@ import httpx
 import torch
 
 from vime.clients.engine import EngineClient
-from vime.wire.engine import EngineInfo, logprobs_mode_in
+from vime.retry import poll_until
+from vime.wire.engine import EngineVersion, logprobs_mode_in
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class EngineProfile:
     exact_numerics: bool
 
 
-def profile_for(info: EngineInfo) -> EngineProfile:
+def profile_for(info: EngineVersion) -> EngineProfile:
     """The profile of the engine that answered ``/version``; env VIME_CONTRACT_LOGPROB_ATOL overrides the tolerance."""
     atol_env = os.environ.get("VIME_CONTRACT_LOGPROB_ATOL")
     if info.is_reference:
@@ -90,7 +90,7 @@ class EngineUnderTest:
     url: str
     model_dir: Path
     served_name: str
-    info: EngineInfo
+    info: EngineVersion
     profile: EngineProfile
     logprobs_mode: str = "raw_logprobs"
     """What its log-probs are: ``raw_logprobs`` (before temperature) or ``processed_logprobs``."""
@@ -163,11 +163,7 @@ class HFReference:
 async def wait_for(
     predicate: Callable[[], Awaitable[bool]], timeout: float = 30.0, interval: float = 0.02
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
+    await poll_until(predicate, timeout_s=timeout, interval_s=interval, what="the condition")
 
 
 async def debug_state(url: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from contract_support import EngineUnderTest, HFReference, debug_state, greedy
 
 from vime.clients.engine import EngineClient
-from vime.wire.engine import EngineInfo
+from vime.wire.engine import EngineVersion
 from vime.wire.vllm import parse_generate_response
 
 PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
@@ -19,7 +19,7 @@ PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
 async def test_identity_routes(engine: EngineClient, eut: EngineUnderTest) -> None:
     assert await engine.health()
     info = await engine.version()
-    assert isinstance(info, EngineInfo) and info.version
+    assert isinstance(info, EngineVersion) and info.version
     cards = await engine.models()
     assert cards[0]["id"] == eut.served_name and cards[0]["object"] == "model"
     assert isinstance(cards[0]["max_model_len"], int) and cards[0]["max_model_len"] > len(PROMPT)

@@ -78,8 +78,12 @@ def loop_config(work: Path, model: Path, gpus: int) -> dict[str, Any]:
         "model": {"hf_checkpoint": str(model), "served_model_name": "loop-model"},
         "data": {"prompt_data": str(write_prompts(work)), "rollout_shuffle": False},
         "reward": {"custom_rm_path": "gpu_rewards:even_characters", "num_workers": 2},
-        "engine": {**engine, "base_port": _engine_base(), "startup_timeout_s": 420},
-        "router": {"health_check_interval_s": 1.0},
+        "engine": {
+            **engine,
+            "base_port": _engine_base(),
+            "startup_timeout_s": 420,
+            "health_check_interval_s": 1.0,
+        },
         "trainer": {"lr": 1e-3, "checkpoint_dir": str(work / "ckpt")},
         "services": {"host": "127.0.0.1", **ports, "api_token": TOKEN},
     }

@@ -172,7 +172,7 @@ def test_ctrl_c_stops_every_process_and_frees_every_port(stack: Launched) -> Non
         "redis-server",
         "vime_router",
         "vllm::router",  # vllm-router names itself so (setproctitle)
-        "vime_router.gate_server",
+        "caddy run",  # the route filter
         "vime_reward",
         "vime_rollout",
         "vime_trainer",

@@ -8,6 +8,7 @@ worker that dies (``os._exit``); crafted inputs; bad requests; idempotent retrie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -22,6 +23,7 @@ from vime_reward.pool import WorkerPool
 
 from vime import procs
 from vime.clients.reward import RewardClient
+from vime.retry import poll_until_blocking
 from vime.types import Sample
 from vime.wire.reward import RewardResult, RewardStatus
 
@@ -125,12 +127,14 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def wait_pool_whole(url: str, timeout_s: float = 20.0) -> dict:
     """/health's pool once every worker is back (a replacement starts in the background)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def whole() -> dict | None:
         pool = httpx.get(f"{url}/health").json()["pool"]
-        if pool["alive"] == pool["workers"] or time.monotonic() > deadline:
-            return pool
-        time.sleep(0.1)
+        return pool if pool["alive"] == pool["workers"] else None
+
+    with contextlib.suppress(TimeoutError):
+        return poll_until_blocking(whole, timeout_s=timeout_s, interval_s=0.1, what="the pool whole")
+    return dict(httpx.get(f"{url}/health").json()["pool"])
 
 
 # (fn, response, label, options, expected reward)

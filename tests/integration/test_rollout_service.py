@@ -3,8 +3,10 @@
 
 The seed's rollout scaled down: 4 prompts × 8 samples, a dynamic filter that drops the groups
 whose rewards are all equal (re-sampling until the batch is full), GRPO-normalised rewards, loss
-masks and a DP schedule read back from Redis as the trainer's ranks read them; an engine killed
-mid-rollout (the rollout still completes; the engine is restarted and waits for weights);
+masks and a DP schedule read back from Redis as the trainer's ranks read them; every engine killed
+mid-rollout (the rollout waits for the restarted engines and completes with all its groups); an
+engine killed mid-rollout once weights were pushed (taken out of the router, the rollout completes
+on the other; the engine is restarted and waits for weights);
 offload/onload reaching every engine; bad input answered 4xx; a preview (``publish: false``)
 leaving the stream and the data source untouched.
 """
@@ -38,6 +40,8 @@ from vime.clients.rollout import RolloutClient
 from vime.config import load_config
 from vime.models.tiny import build_tokenizer
 from vime.queue import BatchConsumer, stream_key
+from vime.retry import poll_until
+from vime.wire.rollout import EngineInfo
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +71,11 @@ class Stack:
 
     def client(self) -> RolloutClient:
         return RolloutClient(self.url, token=TOKEN)
+
+    def router_urls(self) -> set[str]:
+        """The engine URLs the router holds now."""
+        port = self.cfg["services"]["router_control_port"]
+        return {e["url"] for e in httpx.get(f"http://127.0.0.1:{port}/v1/engines").json()["engines"]}
 
     def config(self) -> Any:
         return load_config(self.cfg_path)
@@ -117,8 +126,14 @@ def _config(work: Path, redis_url: str) -> dict[str, Any]:
             "n_samples_per_eval_prompt": 4,
         },
         "reward": {"custom_rm_path": "rollout_it_rewards:reward", "num_workers": 1},
-        "engine": {"backend": "reference", "base_port": procs.free_port_run(2), "startup_timeout_s": 300},
-        "router": {"policy": "round_robin", "health_check_interval_s": 0.5, "health_failure_threshold": 2},
+        "engine": {
+            "backend": "reference",
+            "base_port": procs.free_port_run(2),
+            "startup_timeout_s": 300,
+            "health_check_interval_s": 0.5,
+            "health_failure_threshold": 2,
+        },
+        "router": {"policy": "round_robin", "retry_window_s": 240},
         "services": {
             "host": "127.0.0.1",
             **{f"{k}_port": v for k, v in ports.items()},
@@ -178,6 +193,34 @@ def _read_shares(stack: Stack, batch_id: str, dp_size: int, run_id: str | None =
 
 def _engine_sleeping(url: str) -> bool:
     return bool(httpx.get(url + "/is_sleeping", timeout=10).json()["is_sleeping"])
+
+
+def test_0_every_engine_killed_mid_rollout_the_rollout_waits_for_them(stack: Stack) -> None:
+    """No engine left (issue 17): the generates wait (``router.retry_window_s``) while the manager
+    restarts the engines (no weights pushed yet: they serve at once) and the rollout completes
+    with all its groups. A preview, so the later tests see the stream and data source untouched."""
+
+    async def main() -> None:
+        async with stack.client() as c:
+            await c.onload(None)  # the engines started asleep (colocated)
+            before = (await c.engines()).engines
+            job = await c.rollout(50, wait=False, publish=False)
+            await asyncio.sleep(0.3)
+            assert (await c.job(job.job_id)).state == "running"
+            for e in before:
+                os.kill(e.pid or 0, signal.SIGKILL)
+            done = await c.wait_job(job.job_id, 0.2, timeout_s=300)
+            assert done.state == "done", done.error
+            assert done.num_samples == 32 and done.metrics["rollout/num_groups"] == 4
+            after = (await c.engines()).engines
+            assert [e.restarts for e in after] == [e.restarts + 1 for e in before]
+            assert all(
+                e.status == "ready" and e.registered and e.pid not in {b.pid for b in before} for e in after
+            )
+            assert stack.router_urls() == {e.url for e in after}
+            await c.offload()  # as the engines were when the stack came up
+
+    asyncio.run(main())
 
 
 def test_1_engines_start_asleep_and_onload_reaches_every_engine(stack: Stack) -> None:
@@ -253,18 +296,26 @@ def test_3_engine_killed_mid_rollout(stack: Stack) -> None:
             await asyncio.sleep(0.3)
             assert (await c.job(job.job_id)).state == "running"
             os.kill(victim.pid or 0, signal.SIGKILL)
-            done = await asyncio.wait_for(c.wait_job(job.job_id, 0.2), 180)
+            # The manager takes it out of the router at its next check (0.5 s here).
+            await poll_until(
+                lambda: asyncio.to_thread(lambda: victim.url not in stack.router_urls()),
+                timeout_s=10,
+                interval_s=0.1,
+                what="the killed engine out of the router",
+            )
+            done = await c.wait_job(job.job_id, 0.2, timeout_s=180)
             assert done.state == "done", done.error
             assert done.num_samples == 32
-            deadline = time.monotonic() + 240
-            status = None
-            while time.monotonic() < deadline:
+
+            async def waiting() -> EngineInfo | None:
                 status = (await c.engines()).engines[1]
-                if status.status == "needs_weights":
-                    break
-                await asyncio.sleep(0.5)
-            assert status is not None and status.status == "needs_weights", status
-            assert status.restarts == 1 and not status.registered and status.pid != victim.pid
+                return status if status.status == "needs_weights" else None
+
+            status = await poll_until(waiting, timeout_s=240, interval_s=0.5, what="engine 1 restarted")
+            assert (
+                status.restarts == victim.restarts + 1 and not status.registered and status.pid != victim.pid
+            )
+            assert victim.url not in stack.router_urls()
             lock = await c.update_lock()
             assert lock.num_new_engines == 1 and len(lock.engines) == 2
             await c.weights_loaded(1, lease_id=lock.lease_id)

@@ -1,6 +1,6 @@
 """Routing policies through the real router: consistent_hash on X-Session-ID (seed step 17) keeps a
-session on one engine and spreads a dead engine's sessions over the others; power_of_two spreads
-load over every engine.
+session on one engine and spreads a dead engine's sessions over the others once it is taken out
+(as the rollout manager takes out a dead engine); power_of_two spreads load over every engine.
 """
 
 from __future__ import annotations
@@ -19,14 +19,9 @@ from tests.support.router_harness import (
     start_router,
     stop_all,
 )
-from vime.clients.router import RouterDataClient
+from vime.clients.router import RouterClient, RouterDataClient
 
 SAMPLING = {"max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "logprobs": 1, "top_k": -1}
-FAST_HEALTH = [
-    "router.health_check_interval_s=0.3",
-    "router.health_failure_threshold=2",
-    "router.health_check_timeout_s=0.5",
-]
 
 
 def start(
@@ -34,7 +29,7 @@ def start(
 ) -> tuple[RouterProcess, list[FakeEngineProcess]]:
     engines = start_fake_engines(n, logs, delay_s=delay_s)
     try:
-        router = start_router(logs, overrides=[f"router.policy={policy}", *FAST_HEALTH])
+        router = start_router(logs, overrides=[f"router.policy={policy}"])
     except Exception:
         stop_all(e.child for e in engines)
         raise
@@ -46,7 +41,7 @@ def start(
 async def engine_per_session(router: RouterProcess, sessions: list[str], repeats: int) -> dict[str, set[str]]:
     """Which engines answered each session id, over ``repeats`` rounds of concurrent requests."""
     seen: dict[str, set[str]] = {s: set() for s in sessions}
-    async with RouterDataClient(router.data_url, attempts=1) as client:
+    async with RouterDataClient(router.data_url, retry_window_s=0) as client:
         for _ in range(repeats):
             outs = await asyncio.gather(
                 *(client.generate([7, 8, 9], SAMPLING, session_id=s) for s in sessions)
@@ -86,11 +81,8 @@ async def test_dead_engines_sessions_spread_over_the_others_and_the_rest_stay(
     before = {s: next(iter(v)) for s, v in (await engine_per_session(router, sessions, 1)).items()}
     victim = engines[0]
     victim.child.kill()
-    for _ in range(100):
-        if not router.engines()[victim.engine_id]["healthy"]:
-            break
-        await asyncio.sleep(0.05)
-    assert not router.engines()[victim.engine_id]["healthy"]
+    async with RouterClient(router.control_url) as control:
+        assert await control.deregister(victim.engine_id)
     after = {s: next(iter(v)) for s, v in (await engine_per_session(router, sessions, 2)).items()}
     moved = [s for s in sessions if before[s] == victim.engine_id]
     stayed = [s for s in sessions if before[s] != victim.engine_id]
@@ -105,7 +97,7 @@ async def test_dead_engines_sessions_spread_over_the_others_and_the_rest_stay(
 async def test_power_of_two_spreads_load_over_all_engines(tmp_path: Path) -> None:
     router, engines = start(tmp_path, "power_of_two", 3, delay_s=0.3)
     try:
-        async with RouterDataClient(router.data_url, attempts=1) as client:
+        async with RouterDataClient(router.data_url, retry_window_s=0) as client:
             outs = await asyncio.gather(*(client.generate([1, i], SAMPLING) for i in range(90)))
         load = Counter(str(o["engine_id"]) for o in outs)
         assert set(load) == {"e0", "e1", "e2"} and sum(load.values()) == 90

@@ -66,8 +66,12 @@ def run_config(work: Path, redis_url: str, tp: int) -> dict[str, Any]:
         "model": {"tiny_model_size": "micro"},
         "data": {"prompt_data": str(prompts), "rollout_shuffle": False},
         "reward": {"custom_rm_path": "trainer_it_rewards:reward", "num_workers": 1},
-        "engine": {"backend": "reference", "base_port": procs.free_port_run(2), "startup_timeout_s": 300},
-        "router": {"health_check_interval_s": 0.5},
+        "engine": {
+            "backend": "reference",
+            "base_port": procs.free_port_run(2),
+            "startup_timeout_s": 300,
+            "health_check_interval_s": 0.5,
+        },
         "trainer": {"lr": 3e-3, "checkpoint_dir": str(work / "ckpt"), "weight_dir": str(work / "shm")},
         "services": {
             "host": "127.0.0.1",

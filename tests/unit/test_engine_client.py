@@ -11,7 +11,7 @@ import pytest
 
 from vime.clients.base import ServiceCallError
 from vime.clients.engine import EngineClient
-from vime.wire.engine import EngineInfo, engine_request_id, normalize_wake_tags, shm_update_info
+from vime.wire.engine import EngineVersion, engine_request_id, normalize_wake_tags, shm_update_info
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -216,7 +216,7 @@ async def test_version_capabilities(
         rejects_paused,
     )
     with pytest.raises(ValueError):
-        EngineInfo.from_body({"no": "version"})
+        EngineVersion.from_body({"no": "version"})
 
 
 def test_wire_helpers() -> None:

@@ -1,10 +1,12 @@
 """The data-plane client resends a generate only when no engine produced anything: connection
 failures, 502/503/504, and vllm-router's 500 for a request it could not deliver (an engine killed
-mid-rollout). An engine's own 500 is an answer and fails at once."""
+mid-rollout). An engine's own 500 is an answer and fails at once. It keeps resending for a time
+(``router.retry_window_s``), not a number of attempts: long enough for an engine to come back."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from vime import procs
-from vime.clients.base import ServiceCallError
+from vime.clients.base import ServiceCallError, ServiceUnreachable
 from vime.clients.router import RouterDataClient, retryable_generate
 from vime.wire.vllm import GENERATE_PATH
 
@@ -22,13 +24,21 @@ DELIVERY_FAILED = (
 ENGINE_ERROR = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError"}}
 
 
+NO_WORKERS = "No available workers (all circuits open or unhealthy)"
+
+
 @asynccontextmanager
-async def router_answering(replies: list[web.Response]) -> AsyncIterator[tuple[str, list[int]]]:
-    """A stand-in router that gives ``replies`` in turn, then 200s; yields (url, calls)."""
+async def router_answering(
+    replies: list[web.Response], no_engine_until: float = 0.0
+) -> AsyncIterator[tuple[str, list[int]]]:
+    """A stand-in router that gives ``replies`` in turn (503 while ``time.monotonic()`` is before
+    ``no_engine_until``), then 200s; yields (url, calls)."""
     calls: list[int] = []
 
     async def generate(_: web.Request) -> web.Response:
         calls.append(1)
+        if time.monotonic() < no_engine_until:
+            return web.Response(status=503, text=NO_WORKERS)
         return replies.pop(0) if replies else web.json_response({"choices": [{"token_ids": [1]}]})
 
     app = web.Application()
@@ -61,5 +71,34 @@ def test_a_delivery_failure_is_sent_again_and_an_engine_error_is_not() -> None:
             with pytest.raises(ServiceCallError, match="EngineCore encountered an issue"):
                 await c.generate([1, 2], {"max_tokens": 1})
         assert len(calls) == 1
+
+    asyncio.run(main())
+
+
+def test_a_generate_waits_for_an_engine_within_the_retry_window_and_no_longer() -> None:
+    """The issue-17 case: every engine gone for a while (503 No available workers); a window longer
+    than the outage rides it out, a shorter one gives up naming the setting."""
+
+    async def main() -> None:
+        back_at = time.monotonic() + 1.0
+        async with (
+            router_answering([], no_engine_until=back_at) as (url, calls),
+            RouterDataClient(url, retry_window_s=10, backoff_s=0.05, max_backoff_s=0.2) as c,
+        ):
+            out = await c.generate([1, 2], {"max_tokens": 1})
+        assert out["choices"][0]["token_ids"] == [1] and time.monotonic() >= back_at and len(calls) > 3
+        async with (
+            router_answering([], no_engine_until=time.monotonic() + 60) as (url, calls),
+            RouterDataClient(url, retry_window_s=0.3, backoff_s=0.05, max_backoff_s=0.1) as c,
+        ):
+            with pytest.raises(ServiceUnreachable, match=r"retry_window_s=0.3s.*No available workers"):
+                await c.generate([1, 2], {"max_tokens": 1})
+        async with (
+            router_answering([web.Response(status=503, text=NO_WORKERS)]) as (url, calls),
+            RouterDataClient(url, retry_window_s=0) as c,
+        ):
+            with pytest.raises(ServiceUnreachable):
+                await c.generate([1, 2], {"max_tokens": 1})
+        assert len(calls) == 1  # a window of 0: never sent again
 
     asyncio.run(main())

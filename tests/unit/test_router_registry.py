@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from vime_router.data_plane import DataPlaneSpec, gate_argv, vllm_router_argv
-from vime_router.prober import parse_in_flight
+from vime_router.data_plane import DataPlaneSpec, filter_argv, vllm_router_argv
 from vime_router.registry import Registry
 
-from vime.config import RouterConfig, load_config
+from vime.config import EngineConfig, RouterConfig, load_config
 from vime.service import ServiceError
+from vime.wire.engine_metrics import IN_FLIGHT, metric_sum
 from vime.wire.router import EngineRegistration, default_engine_id, normalize_engine_url
 
 
@@ -19,41 +20,21 @@ def reg(url: str = "http://127.0.0.1:18100", engine_id: str | None = "e0") -> En
     return EngineRegistration(url=url, id=engine_id)
 
 
-def test_new_engine_serves_after_its_first_good_probe() -> None:
-    r = Registry(failure_threshold=2, success_threshold=3)
+def test_a_registered_engine_serves_until_drained_or_removed() -> None:
+    r = Registry()
     e, created = r.register(reg())
-    assert created and not e.healthy and r.routable_urls() == set()
-    assert r.record_probe(e, True, None, 0) == "admitted"
-    assert r.routable_urls() == {"http://127.0.0.1:18100"}
-
-
-def test_ejection_needs_threshold_failures_and_readmission_threshold_successes() -> None:
-    r = Registry(failure_threshold=2, success_threshold=3)
-    e, _ = r.register(reg())
-    r.record_probe(e, True, None, 0)
-    assert r.record_probe(e, False, "refused", None) is None  # one failure is not enough
-    assert e.healthy
-    assert r.record_probe(e, False, "refused", None) == "ejected"
-    assert not e.healthy and e.ejections == 1 and e.last_error == "refused"
-    assert r.routable_urls() == set()
-    assert r.record_probe(e, True, None, 0) is None
-    assert r.record_probe(e, False, "again", None) is None  # a failure resets the success streak
-    assert [r.record_probe(e, True, None, 0) for _ in range(3)] == [None, None, "admitted"]
-    assert r.routable_urls() == {e.url}
-
-
-def test_draining_engine_is_not_routable_but_keeps_its_health() -> None:
-    r = Registry(2, 1)
-    e, _ = r.register(reg())
-    r.record_probe(e, True, None, 5)
+    assert created and r.routable_urls() == {"http://127.0.0.1:18100"}
     e.draining = True
-    assert e.healthy and not e.routable and r.routable_urls() == set()
-    assert r.record_probe(e, True, None, 0) is None
-    assert e.in_flight == 0
+    assert r.routable_urls() == set()
+    assert not e.status(in_data_plane=True).routable and e.status(in_data_plane=True).draining
+    e.draining = False
+    assert e.status(in_data_plane=True).routable and not e.status(in_data_plane=False).routable
+    r.remove("e0")
+    assert r.routable_urls() == set() and r.engines == {}
 
 
 def test_registration_conflicts_and_unknown_ids() -> None:
-    r = Registry(2, 1)
+    r = Registry()
     r.register(reg("http://h:1", "a"))
     _, created = r.register(reg("http://h:1/", "a"))
     assert not created
@@ -118,9 +99,9 @@ def test_in_flight_is_running_plus_waiting_over_all_label_sets() -> None:
         b"vllm:num_preemptions_total 7.0\n"
     )
     # the _by_reason family shares the prefix; it must not be counted
-    assert parse_in_flight(text) == 9
-    assert parse_in_flight(b"vllm:num_requests_running 0.0\n") == 0
-    assert parse_in_flight(b"other_metric 1\n") is None
+    assert metric_sum(text, IN_FLIGHT) == 9
+    assert metric_sum(b"vllm:num_requests_running 0.0\n", IN_FLIGHT) == 0
+    assert metric_sum(b"other_metric 1\n", IN_FLIGHT) is None
 
 
 def test_vllm_router_command_line_follows_the_config(tmp_path: Path) -> None:
@@ -135,9 +116,12 @@ def test_vllm_router_command_line_follows_the_config(tmp_path: Path) -> None:
     assert flag["--log-level"] == "warning"
     assert "--disable-circuit-breaker" in argv
     assert int(flag["--health-check-interval-secs"]) >= 3600
-    g = gate_argv(spec)
-    assert g[g.index("--port") + 1] == "18080" and g[g.index("--host") + 1] == "0.0.0.0"
-    assert g[g.index("--upstream-port") + 1] == str(spec.router_port)
+    caddy = filter_argv(spec)
+    assert caddy[1:3] == ["run", "--config"]
+    public = json.loads(Path(caddy[3]).read_text())["apps"]["http"]["servers"]["public"]
+    assert public["listen"] == ["0.0.0.0:18080"]
+    proxies = [h for r in public["routes"] for h in r["handle"] if h["handler"] == "reverse_proxy"]
+    assert {p["upstreams"][0]["dial"] for p in proxies} == {f"127.0.0.1:{spec.router_port}"}
     assert spec.public_url == "http://127.0.0.1:18080"
 
 
@@ -145,6 +129,8 @@ def test_router_config_refuses_impossible_values() -> None:
     with pytest.raises(ValidationError):
         RouterConfig(policy="cache_aware")  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
-        RouterConfig(health_failure_threshold=0)
+        RouterConfig(retry_window_s=-1)
     with pytest.raises(ValidationError):
-        RouterConfig(health_check_interval_s=0)
+        EngineConfig(health_failure_threshold=0)
+    with pytest.raises(ValidationError):
+        EngineConfig(health_check_interval_s=0)

@@ -1,25 +1,36 @@
-"""The async HTTP client every typed service client builds on.
+"""The async HTTP client every typed service client builds on, and the one retry rule.
 
-One pooled `httpx.AsyncClient` per client (connection reuse), the bearer token on every call,
-retries with exponential backoff on connection errors (never on an answered request unless the
-caller says it is idempotent and the status is retryable), and a clear error after the last try.
+One pooled `httpx.AsyncClient` per client (connection reuse), the bearer token on every call.
+Retries follow `vime.retry.RetryPolicy` (exponential backoff with jitter) and one rule
+(`may_resend`): a request that cannot have reached the service (refused connection, connect
+timeout) is always sent again; one that may have been processed (the reply was lost, or a 502 /
+503 / 504 came back) only when the caller says the call is idempotent. Timeouts while waiting for a
+reply are not retried (the service is slow, not gone): they raise httpx's timeout error.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import random
+import json
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
 import httpx
 
-log = logging.getLogger("vime.clients")
+from vime.retry import RetryPolicy
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 """Gateway answers meaning no upstream produced a reply (the router's data plane too: an engine
-died before its ejection), so an idempotent request may be sent again."""
+died before it was taken out), so an idempotent request may be sent again."""
+
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+"""The request never reached the service: sending it again cannot do anything twice."""
+REPLY_LOST = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""The connection broke after (part of) the request went out: it may have been processed."""
+
+KEEPALIVE_EXPIRY_S = 4.0
+"""Idle pooled connections are dropped before the servers' own keep-alive timeout (vLLM's uvicorn:
+5 s), so a request is not sent on a connection the server is closing."""
 
 
 class ServiceUnreachable(ConnectionError):
@@ -36,19 +47,38 @@ class ServiceCallError(RuntimeError):
         self.body = body
 
 
-def error_message(response: httpx.Response) -> str:
-    """The message of a vime / vLLM / FastAPI error body, or the raw text."""
+class GatewayStatus(Exception):
+    """An answer saying no upstream produced a reply (a `RETRYABLE_STATUS`; for the data plane also
+    vllm-router's transport 500): retried for idempotent calls."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def may_resend(exc: BaseException, idempotent: bool) -> bool:
+    """The one retry rule of every client (see the module docstring)."""
+    if isinstance(exc, NOT_SENT):
+        return True
+    return idempotent and isinstance(exc, (*REPLY_LOST, GatewayStatus))
+
+
+def error_message(body: httpx.Response | str | bytes) -> str:
+    """The message of a vime / vLLM / FastAPI / vllm-router error body, or the raw text."""
+    if isinstance(body, httpx.Response):
+        body = body.content
     try:
-        body = response.json()
+        parsed = json.loads(body)
     except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail"))
+        return (body.decode(errors="replace") if isinstance(body, bytes) else body)[:500]
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed.get("detail"))
         if isinstance(err, dict):
-            return str(err.get("message", err))
+            return str(err.get("message", err))[:500]
         if err is not None:
-            return str(err)
-    return str(body)[:500]
+            return str(err)[:500]
+    return str(parsed)[:500]
 
 
 class SendOptions(TypedDict, total=False):
@@ -60,7 +90,7 @@ class SendOptions(TypedDict, total=False):
     timeout: float | object | None
     """Seconds for this call; None waits forever; left out (or ``...``) uses the client's timeout."""
     idempotent: bool
-    """Safe to resend after a 502/503/504 answer (connection failures are always retried)."""
+    """Safe to send again after a lost reply or a 502/503/504 (refused connections always are)."""
     retries: int | None
     """Retries for this call; None (or left out) uses the client's."""
 
@@ -80,14 +110,17 @@ class ServiceClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff_s = backoff_s
+        self.retry = RetryPolicy(attempts=retries + 1, backoff_s=backoff_s)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout or 10.0, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
             transport=transport,
         )
 
@@ -104,7 +137,7 @@ class ServiceClient:
     async def request(
         self, method: str, path: str, *, expect: Iterable[int] = (200,), **options: Unpack[SendOptions]
     ) -> Any:
-        """Send a request; retry connection failures; return the JSON body (None when empty)."""
+        """Send a request (retried as `send` says); return the JSON body (None when empty)."""
         response = await self.send(method, path, **options)
         if response.status_code not in set(expect):
             raise ServiceCallError(
@@ -119,41 +152,38 @@ class ServiceClient:
         return _json_or_text(response)
 
     async def send(self, method: str, path: str, **options: Unpack[SendOptions]) -> httpx.Response:
-        """Like `request` but returns the raw response whatever its status."""
+        """Like `request` but returns the raw response whatever its status (a 502/503/504 after
+        the last retry of an idempotent call included)."""
         retries = options.get("retries")
-        attempts = (self.retries if retries is None else retries) + 1
+        policy = self.retry if retries is None else replace(self.retry, attempts=retries + 1)
         timeout = options.get("timeout", ...)
         extra: dict[str, Any] = {} if timeout is ... else {"timeout": timeout}
         idempotent = options.get("idempotent", False)
-        last: Exception | None = None
-        for attempt in range(attempts):
-            try:
-                response = await self._client.request(
-                    method,
-                    path,
-                    json=options.get("json"),
-                    params=options.get("params"),
-                    headers=options.get("headers"),
-                    **extra,
-                )
-            except (
-                httpx.ConnectError,
-                httpx.RemoteProtocolError,
-                httpx.ConnectTimeout,
-                httpx.ReadError,
-            ) as exc:
-                last = exc
-            else:
-                if not (idempotent and response.status_code in RETRYABLE_STATUS and attempt + 1 < attempts):
-                    return response
-                last = ServiceCallError(method, path, response.status_code, error_message(response))
-            if attempt + 1 < attempts:
-                delay = self.backoff_s * (2**attempt) * (1 + random.random() * 0.25)
-                log.debug("retrying %s %s in %.2fs: %s", method, path, delay, last)
-                await asyncio.sleep(delay)
-        raise ServiceUnreachable(
-            f"{method} {self.base_url}{path} failed after {attempts} attempt(s): {type(last).__name__}: {last}"
-        )
+        response: httpx.Response | None = None
+        attempts = 0
+        try:
+            async for attempt in policy.retrying(lambda exc: may_resend(exc, idempotent)):
+                with attempt:
+                    attempts += 1
+                    response = await self._client.request(
+                        method,
+                        path,
+                        json=options.get("json"),
+                        params=options.get("params"),
+                        headers=options.get("headers"),
+                        **extra,
+                    )
+                    if idempotent and response.status_code in RETRYABLE_STATUS:
+                        raise GatewayStatus(response.status_code, error_message(response))
+        except GatewayStatus:
+            assert response is not None
+            return response
+        except (*NOT_SENT, *REPLY_LOST) as exc:
+            raise ServiceUnreachable(
+                f"{method} {self.base_url}{path} failed after {attempts} attempt(s): {type(exc).__name__}: {exc}"
+            ) from exc
+        assert response is not None
+        return response
 
 
 def _json_or_text(response: httpx.Response) -> Any:

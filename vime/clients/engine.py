@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 from vime.clients.base import ServiceCallError, ServiceClient
-from vime.wire.engine import EngineInfo, PauseMode, logprobs_mode_in
+from vime.wire.engine import EngineVersion, PauseMode, logprobs_mode_in
 from vime.wire.engine_metrics import FINISHED, metric_sum
 from vime.wire.vllm import GENERATE_PATH, GenerateResult, parse_generate_response
 
@@ -84,9 +84,9 @@ class EngineClient(ServiceClient):
         response = await self.send("GET", "/health", retries=0)
         return response.status_code == 200
 
-    async def version(self) -> EngineInfo:
+    async def version(self) -> EngineVersion:
         """``GET /version``: the vLLM version, and whether this is the reference engine."""
-        return EngineInfo.from_body(await self.request("GET", "/version", idempotent=True))
+        return EngineVersion.from_body(await self.request("GET", "/version", idempotent=True))
 
     async def models(self) -> list[dict[str, Any]]:
         """The model cards of ``GET /v1/models``."""

@@ -6,11 +6,10 @@ it leaves the running states.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from vime.clients.base import ServiceClient
+from vime.retry import poll_until
 from vime.wire.trainer import (
     ACTIVE_STATES,
     Accepted,
@@ -53,17 +52,13 @@ class TrainerClient(ServiceClient):
     async def wait_run(
         self, run_id: str, *, timeout_s: float | None = None, poll_s: float = 1.0
     ) -> RunStatus:
-        """Poll until the run is finished, stopped or failed."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
+        """Poll until the run is finished, stopped or failed (TimeoutError after ``timeout_s``)."""
+
+        async def ended() -> RunStatus | None:
             status = await self.run(run_id)
-            if status.state not in ACTIVE_STATES:
-                return status
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"run {run_id} still {status.state} in phase {status.phase} after {timeout_s}s"
-                )
-            await asyncio.sleep(poll_s)
+            return status if status.state not in ACTIVE_STATES else None
+
+        return await poll_until(ended, timeout_s=timeout_s, interval_s=poll_s, what=f"run {run_id} ended")
 
     async def push_weights(self, *, wait: bool = True) -> PushResult | Accepted:
         """Push the active run's weights at its next step boundary (version + 1)."""

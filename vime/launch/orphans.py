@@ -17,8 +17,9 @@ import ctypes
 import os
 import signal
 import sys
-import time
 from pathlib import Path
+
+from vime.retry import poll_until_blocking
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -83,14 +84,16 @@ def reap() -> None:
 def kill_descendants(timeout_s: float = 5.0) -> dict[int, str]:
     """SIGKILL every process still below this one, reap them; returns what was killed."""
     killed = descendants(os.getpid())
-    deadline = time.monotonic() + timeout_s
-    left = killed
-    while left and time.monotonic() < deadline:
+
+    def none_left() -> bool:
+        left = descendants(os.getpid())
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
         reap()
-        left = descendants(os.getpid())
+        return not left
+
+    with contextlib.suppress(TimeoutError):
+        poll_until_blocking(none_left, timeout_s=timeout_s, interval_s=0.05, what="descendants gone")
     reap()
     return killed

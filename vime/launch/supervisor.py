@@ -22,6 +22,7 @@ from vime.launch.logs import LogFollower, colour_of
 from vime.launch.orphans import become_subreaper, kill_descendants
 from vime.launch.signals import SignalLatch
 from vime.launch.stack import ServiceSpec, StackPlan, busy_ports, write_config
+from vime.retry import poll_until_blocking
 
 STOP_GRACE_S = {"trainer": 60.0, "rollout": 45.0}
 """Seconds a service gets to stop after SIGTERM (the trainer may finish a checkpoint, the
@@ -163,9 +164,13 @@ class Supervisor:
         if child.alive():
             t0 = time.monotonic()
             procs.signal_group(child.pid, signal.SIGTERM)
-            deadline = t0 + grace_s
-            while child.alive() and time.monotonic() < deadline and not self.latch.hurry:
-                time.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                poll_until_blocking(
+                    lambda: not child.alive() or self.latch.hurry,
+                    timeout_s=grace_s,
+                    interval_s=0.05,
+                    what="stop",
+                )
             how = f"stopped in {time.monotonic() - t0:.1f}s"
             if child.alive():
                 how = "killed"
@@ -177,10 +182,9 @@ class Supervisor:
             procs.signal_group(child.pid, signal.SIGKILL)  # whatever it left in its group
 
     def _report_held_ports(self) -> None:
-        deadline = time.monotonic() + 3
-        held = busy_ports(self.plan)
-        while held and time.monotonic() < deadline:
-            time.sleep(0.1)
-            held = busy_ports(self.plan)
-        for complaint in held:
+        with contextlib.suppress(TimeoutError):
+            poll_until_blocking(
+                lambda: not busy_ports(self.plan), timeout_s=3, interval_s=0.1, what="ports free"
+            )
+        for complaint in busy_ports(self.plan):
             self.console.print(f"[yellow]after stopping: {complaint}[/]")

@@ -2,7 +2,7 @@
 
 vime drives two kinds of engine through the same HTTP routes: real vLLM (0.26 on the GPU
 machine; 0.33 read from its code) and the CPU reference engine. They differ in a few documented
-ways that callers must branch on, and `EngineInfo` (from ``GET /version``) says which applies:
+ways that callers must branch on, and `EngineVersion` (from ``GET /version``) says which applies:
 
 - weight version: 0.26 reports none anywhere; 0.33 and the reference engine report
   ``weight_versions`` spans per choice (the reference engine only once a version was set);
@@ -66,7 +66,7 @@ def _minor_version(version: str) -> tuple[int, int]:
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
-class EngineInfo(BaseModel):
+class EngineVersion(BaseModel):
     """What ``GET /version`` says about an engine, and the behaviours that follow from it."""
 
     model_config = ConfigDict(extra="allow")
@@ -95,7 +95,7 @@ class EngineInfo(BaseModel):
         return not self.is_reference and self.vllm_minor >= (0, 33)
 
     @classmethod
-    def from_body(cls, body: Any) -> EngineInfo:
+    def from_body(cls, body: Any) -> EngineVersion:
         if not isinstance(body, dict) or not isinstance(body.get("version"), str):
             raise ValueError(f"not a /version body: {body!r}")
         return cls.model_validate(body)

@@ -1,7 +1,7 @@
 """Sums of vLLM series read from an engine's ``GET /metrics`` (Prometheus text format).
 
-Two readers need them: the router's prober (requests in flight, to see a drained engine finish)
-and the rollout manager (requests each engine finished during a rollout, the seed's ~64 per
+Two readers need them: the router (requests in flight, to see a drained engine finish) and the
+rollout manager (requests each engine finished during a rollout, the seed's ~64 per
 engine). A plain line scan: vLLM's /metrics is scraped every second and holds hundreds of
 series, of which these read one or two names.
 """

@@ -111,14 +111,30 @@ class RolloutJob(BaseModel):
     """The samples of a preview, groups in order; None for every other job."""
 
 
+class EngineState(StrEnum):
+    """Where an engine is in the rollout manager's lifecycle (the manager is its only judge)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    """Holds the current weights and is registered with the router."""
+    NEEDS_WEIGHTS = "needs_weights"
+    """Restarted after weights were pushed: answers, out of the router until the next push."""
+    DEAD = "dead"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+LIVE = frozenset({EngineState.READY, EngineState.NEEDS_WEIGHTS})
+"""Engines that answer: they receive memory calls and weight pushes."""
+
+
 class EngineInfo(BaseModel):
     """One engine as the rollout manager sees it."""
 
     index: int
     url: str
     backend: str
-    status: str
-    """starting | ready | needs_weights | dead | restarting | stopped."""
+    status: EngineState
     registered: bool
     """Whether the router sends it requests."""
     gpu_ids: list[int] = Field(default_factory=list)
@@ -188,6 +204,9 @@ class AdmissionResult(BaseModel):
 class UpdateLockRequest(_Request):
     ttl_s: float = Field(600.0, gt=0, le=3600)
     """The lease expires after this, so a trainer that dies while pushing does not block forever."""
+    lease_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{8,64}$")
+    """The caller's name for the lease: asking again with the lease it holds renews it (a request
+    repeated after a lost reply) instead of answering 409. None: the manager names it."""
 
 
 class UpdatableEngines(BaseModel):

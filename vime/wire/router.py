@@ -60,7 +60,7 @@ class EngineRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str
-    """Base URL of the engine (``http://host:port``); it must answer ``GET /health``."""
+    """Base URL of the engine (``http://host:port``); it must answer ``GET /health`` when registered."""
     id: str | None = Field(None, pattern=ENGINE_ID_PATTERN)
     """Stable name of the engine; defaults to the URL's ``host:port``."""
     gpu_ids: list[int] = Field(default_factory=list)
@@ -83,25 +83,20 @@ class EngineRegistration(BaseModel):
         return self.id or default_engine_id(self.url)
 
 
-class EngineStatus(BaseModel):
-    """One engine as the router sees it."""
+class RegisteredEngine(BaseModel):
+    """One engine in the router's registry. The router does not judge health: the registrant (the
+    rollout manager, for the engines it runs) takes an engine out when it stops serving."""
 
     id: str
     url: str
     gpu_ids: list[int]
-    healthy: bool
-    """Last verdict of the health checks (False until the first good probe, and after an ejection)."""
     draining: bool
     """Drained by an operator: no new requests, in-flight ones finish."""
     routable: bool
-    """Receiving new requests now (healthy, not draining, and registered in the data plane)."""
-    in_flight: int | None
-    """Requests running + waiting on the engine (its ``vllm:num_requests_*`` metrics); None if unknown."""
-    consecutive_failures: int
-    ejections: int
-    """How many times health checks took the engine out."""
-    last_error: str | None = None
-    last_probe_at: float | None = None
+    """Receiving new requests now (not draining, and in vllm-router's worker list)."""
+    in_flight: int | None = None
+    """Requests running + waiting on the engine (its ``vllm:num_requests_*`` metrics), read by
+    ``GET /v1/engines/{id}``; None in listings and where the engine does not say."""
     registered_at: float
 
 
@@ -131,5 +126,5 @@ class DataPlaneStatus(BaseModel):
 class EngineList(BaseModel):
     """Body of ``GET /v1/engines``."""
 
-    engines: list[EngineStatus]
+    engines: list[RegisteredEngine]
     data_plane: DataPlaneStatus

@@ -29,6 +29,7 @@ from vime.wire.rollout import (
     DataSourceState,
     EngineInfo,
     EnginesStatus,
+    EngineState,
     JobState,
     MemoryResult,
     OffloadRequest,
@@ -45,7 +46,7 @@ from vime.wire.rollout import (
 )
 from vime_rollout.batch_builder import BatchBuildError
 from vime_rollout.data import DataStateError
-from vime_rollout.engines.records import EngineRecord, EngineStatus, LockHeld
+from vime_rollout.engines.records import EngineRecord, LockHeld
 from vime_rollout.jobs import JobConflict
 from vime_rollout.manager import RolloutManager
 from vime_rollout.sft import SftLabelError
@@ -60,13 +61,13 @@ def engine_info(rec: EngineRecord, reported: str | None = None) -> EngineInfo:
         index=rec.spec.index,
         url=rec.url,
         backend=rec.spec.backend,
-        status=rec.status.value,
+        status=rec.status,
         registered=rec.registered,
         gpu_ids=list(rec.spec.gpu_ids),
         pid=getattr(rec.process, "pid", None),
         weight_version=rec.weight_version,
         reported_weight_version=reported,
-        needs_weights=rec.status is EngineStatus.NEEDS_WEIGHTS,
+        needs_weights=rec.status is EngineState.NEEDS_WEIGHTS,
         asleep=sorted(rec.asleep),
         restarts=rec.restarts,
         last_error=rec.last_error,
@@ -93,7 +94,7 @@ class EngineCollector(Collector):
         if m is None:
             return
         by_status = GaugeMetricFamily("vime_rollout_engines", "Engines by status", labels=["status"])
-        for status in EngineStatus:
+        for status in EngineState:
             by_status.add_metric([status.value], float(sum(r.status is status for r in m.engines.records)))
         yield by_status
         restarts = CounterMetricFamily("vime_rollout_engine_restarts", "Engine restarts", labels=["engine"])
@@ -257,14 +258,14 @@ def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
     async def update_lock(body: UpdateLockRequest, request: Request) -> UpdatableEngines:
         m: RolloutManager = mgr(request)
         try:
-            lease = m.engines.lock.acquire(body.ttl_s)
+            lease = m.engines.lock.acquire(body.ttl_s, body.lease_id)
         except LockHeld as exc:
             raise ServiceError(409, str(exc)) from None
         engines = m.engines.updatable()
         return UpdatableEngines(
             lease_id=lease,
             engines=[engine_info(r) for r in engines],
-            num_new_engines=sum(r.status is EngineStatus.NEEDS_WEIGHTS for r in engines),
+            num_new_engines=sum(r.status is EngineState.NEEDS_WEIGHTS for r in engines),
             weight_version=m.engines.current_version,
         )
 

@@ -101,8 +101,9 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         raise
     monitor = HealthMonitor(
         group,
-        interval_s=cfg.router.health_check_interval_s,
-        failure_threshold=cfg.router.health_failure_threshold,
+        interval_s=cfg.engine.health_check_interval_s,
+        failure_threshold=cfg.engine.health_failure_threshold,
+        timeout_s=cfg.engine.health_check_timeout_s,
     )
     if cfg.offload_rollout:
         monitor.pause("offload")
@@ -118,7 +119,11 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         model_name=model_name,
         engines=group,
         monitor=monitor,
-        generator=RouterGenerator(services.url("router"), timeout_s=cfg.router.request_timeout_s),
+        generator=RouterGenerator(
+            services.url("router"),
+            timeout_s=cfg.router.request_timeout_s,
+            retry_window_s=cfg.router.retry_window_s,
+        ),
         scorer=RewardScorer(reward, fn=cfg.reward.custom_rm_path, group_rm=cfg.reward.group_rm),
         train_data=DataSource(
             train, cfg.n_samples_per_prompt, shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed

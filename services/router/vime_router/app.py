@@ -2,9 +2,10 @@
 
 Routes (state-changing ones need the services' bearer token):
 
-- ``POST /v1/engines`` {url, id?, gpu_ids?} → 201 (200 when already registered): probed at once and
-  serving as soon as it answers ``/health``
-- ``GET /v1/engines`` → every engine (health, in-flight, draining, routable) + the data plane
+- ``POST /v1/engines`` {url, id?, gpu_ids?} → 201 (200 when already registered; 422 when it does not
+  answer ``/health``): serving at once, until it is removed or drained. The router judges no
+  engine's health; the registrant takes out the engines that stop serving.
+- ``GET /v1/engines`` → every engine (draining, routable) + the data plane
 - ``GET /v1/engines/{id}`` → one engine, its in-flight count read now
 - ``DELETE /v1/engines/{id}`` → out of the data plane at once; in-flight requests finish
 - ``POST /v1/engines/{id}/drain`` / ``/undrain`` → no new requests / serving again
@@ -22,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vime.service import create_app, make_token_checker
-from vime.wire.router import DataPlaneStatus, EngineList, EngineRegistration, EngineStatus
+from vime.wire.router import DataPlaneStatus, EngineList, EngineRegistration, RegisteredEngine
 from vime_router.service import RouterService
 
 
@@ -34,30 +35,17 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         svc = self.service
-        healthy = GaugeMetricFamily(
-            "vime_router_engine_healthy", "1 if the engine passes health checks", labels=["engine"]
-        )
         routable = GaugeMetricFamily(
             "vime_router_engine_routable", "1 if the engine gets new requests", labels=["engine"]
         )
         draining = GaugeMetricFamily(
             "vime_router_engine_draining", "1 if the engine is drained", labels=["engine"]
         )
-        in_flight = GaugeMetricFamily(
-            "vime_router_engine_in_flight", "requests running + waiting", labels=["engine"]
-        )
-        ejections = CounterMetricFamily(
-            "vime_router_engine_ejections", "health-check ejections", labels=["engine"]
-        )
         for e in svc.registry.engines.values():
             st = svc.status(e)
-            healthy.add_metric([e.id], float(st.healthy))
             routable.add_metric([e.id], float(st.routable))
             draining.add_metric([e.id], float(st.draining))
-            ejections.add_metric([e.id], float(st.ejections))
-            if st.in_flight is not None:
-                in_flight.add_metric([e.id], float(st.in_flight))
-        yield from (healthy, routable, draining, in_flight, ejections)
+        yield from (routable, draining)
         dp = svc.data_plane_status()
         yield GaugeMetricFamily(
             "vime_router_data_plane_ready", "1 if vllm-router and the filter run", value=float(dp.ready)
@@ -93,7 +81,7 @@ def build_app(service: RouterService, token: str | None) -> FastAPI:
     app.state.service = service
     auth = [Depends(make_token_checker(token))]
 
-    @app.post("/v1/engines", response_model=EngineStatus, status_code=201, dependencies=auth)
+    @app.post("/v1/engines", response_model=RegisteredEngine, status_code=201, dependencies=auth)
     async def register(reg: EngineRegistration, response: Response) -> Any:
         status, created = await service.register(reg)
         if not created:
@@ -104,19 +92,19 @@ def build_app(service: RouterService, token: str | None) -> FastAPI:
     async def list_engines() -> Any:
         return service.listing()
 
-    @app.get("/v1/engines/{engine_id}", response_model=EngineStatus)
+    @app.get("/v1/engines/{engine_id}", response_model=RegisteredEngine)
     async def get_engine(engine_id: str) -> Any:
         return await service.refresh(engine_id)
 
-    @app.delete("/v1/engines/{engine_id}", response_model=EngineStatus, dependencies=auth)
+    @app.delete("/v1/engines/{engine_id}", response_model=RegisteredEngine, dependencies=auth)
     async def deregister(engine_id: str) -> Any:
         return await service.deregister(engine_id)
 
-    @app.post("/v1/engines/{engine_id}/drain", response_model=EngineStatus, dependencies=auth)
+    @app.post("/v1/engines/{engine_id}/drain", response_model=RegisteredEngine, dependencies=auth)
     async def drain(engine_id: str) -> Any:
         return await service.set_draining(engine_id, True)
 
-    @app.post("/v1/engines/{engine_id}/undrain", response_model=EngineStatus, dependencies=auth)
+    @app.post("/v1/engines/{engine_id}/undrain", response_model=RegisteredEngine, dependencies=auth)
     async def undrain(engine_id: str) -> Any:
         return await service.set_draining(engine_id, False)
 

@@ -2,12 +2,12 @@
 
 - vllm-router on a private loopback port: picks the engine (policy from the config), retries
   refused connections on another engine. Circuit breaker off (under overload every circuit opens
-  at once and it answers 503 to everything), its own health checks effectively off (the control
-  plane ejects engines and keeps vllm-router's worker list; two judges would disagree), request
+  at once and it answers 503 to everything), its own health checks effectively off (the rollout
+  manager is the one judge of engine health and registers only the engines that serve), request
   timeout from the config, ``--log-level warning`` *and* ``RUST_LOG=warn``: 0.1.17 ignores the
   flag and logs two or three INFO lines per request (consistent_hash's CONSISTENT_HASH_DEBUG).
-- the route filter (`vime_router.gate_server`) on the public port, forwarding only the generate
-  routes to vllm-router.
+- the route filter (Caddy, configured by `vime_router.route_filter`) on the public port,
+  forwarding only the generate routes to vllm-router.
 
 Each runs under `vime_router.orphan_guard`, so it dies with the service even if the service is
 SIGKILLed. A process that exits is restarted on the same port, with backoff if it keeps dying.
@@ -28,11 +28,17 @@ import httpx
 from vime import procs
 from vime.config import RouterConfig
 from vime_router.placeholders import Placeholders
+from vime_router.route_filter import caddy_binary, filter_counters, write_config
 
 log = logging.getLogger("vime.router.data_plane")
 
 ROUTER_HEALTH_INTERVAL_S = 86_400
-"""vllm-router's own health checks: once a day, i.e. off; the control plane's checks decide."""
+"""vllm-router's own health checks: once a day, i.e. off; the registrants decide what serves."""
+WORKER_ADD_TIMEOUT_S = 10
+"""How long vllm-router's ``POST /workers`` waits for a new worker's ``/health``."""
+LIVENESS_INTERVAL_S = 2.0
+LIVENESS_TIMEOUT_S = 2.0
+"""Each data-plane process must answer its ready URL this fast, every interval (3 misses: killed)."""
 
 
 @dataclass
@@ -70,7 +76,7 @@ def vllm_router_argv(spec: DataPlaneSpec) -> list[str]:
         "--request-timeout-secs", str(max(1, round(cfg.request_timeout_s))),
         "--max-payload-size", str(cfg.max_body_bytes),
         "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
-        "--worker-startup-timeout-secs", str(max(1, round(cfg.health_check_timeout_s * 5))),
+        "--worker-startup-timeout-secs", str(WORKER_ADD_TIMEOUT_S),
         "--worker-startup-check-interval", "1",
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(spec.prometheus_port),
@@ -78,38 +84,20 @@ def vllm_router_argv(spec: DataPlaneSpec) -> list[str]:
     )  # fmt: skip
 
 
-def gate_argv(spec: DataPlaneSpec) -> list[str]:
-    return procs.python_module(
-        "vime_router.gate_server",
-        "--host", spec.host,
-        "--port", str(spec.port),
-        "--upstream-port", str(spec.router_port),
-        "--stats-port", str(spec.stats_port),
-        "--max-body-bytes", str(spec.config.max_body_bytes),
-    )  # fmt: skip
-
-
-async def wait_answering(url: str, child: procs.Child, timeout_s: float) -> None:
-    """Poll ``url`` until it answers 200; fail early if the child exits."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    async with httpx.AsyncClient(timeout=2.0) as http:
-        while time.monotonic() < deadline:
-            if not child.alive():
-                raise procs.StartupError(
-                    f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}"
-                )
-            try:
-                r = await http.get(url)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as exc:
-                last = type(exc).__name__
-            await asyncio.sleep(0.1)
-    raise procs.StartupError(
-        f"{child.name}: {url} not ready after {timeout_s:.0f}s ({last})\n{child.log_tail()}"
+def filter_argv(spec: DataPlaneSpec) -> list[str]:
+    """``caddy run`` with the filter's configuration written into the log directory."""
+    state = spec.log_dir / "route-filter"
+    state.mkdir(parents=True, exist_ok=True)
+    config = write_config(
+        state / "caddy.json",
+        host=spec.host,
+        port=spec.port,
+        upstream_port=spec.router_port,
+        stats_port=spec.stats_port,
+        max_body_bytes=spec.config.max_body_bytes,
+        state_dir=state,
     )
+    return [caddy_binary(), "run", "--config", str(config)]
 
 
 class Supervised:
@@ -148,7 +136,7 @@ class Supervised:
             self.name, argv, log_path=self.log_path, env={**self.env, "VIME_PARENT_PID": str(os.getpid())}
         )
         self.started_at = time.monotonic()
-        await wait_answering(self.ready_url, self.child, self.timeout_s)
+        await asyncio.to_thread(procs.wait_healthy, self.ready_url, self.child, self.timeout_s, path="")
 
     async def stop(self) -> None:
         if self.child is not None:
@@ -179,42 +167,45 @@ class DataPlane:
             timeout,
             env={"RUST_LOG": "warn", "NO_COLOR": "1"},
         )
-        self.gate = Supervised(
+        self.route_filter = Supervised(
             "route-filter",
-            gate_argv(spec),
-            f"http://127.0.0.1:{spec.stats_port}/stats",
+            filter_argv(spec),
+            f"http://127.0.0.1:{spec.stats_port}/metrics",
             spec.log_dir / "route-filter.log",
             timeout,
+            env={
+                "XDG_CONFIG_HOME": str(spec.log_dir / "route-filter"),
+                "XDG_DATA_HOME": str(spec.log_dir / "route-filter"),
+            },
         )
         self.placeholders = Placeholders(spec.placeholder_ports)
         self.ready = False
 
     @property
     def restarts(self) -> int:
-        return self.router.restarts + self.gate.restarts
+        return self.router.restarts + self.route_filter.restarts
 
     async def start(self) -> None:
         if self.spec.config.policy == "power_of_two":
             await self.placeholders.start()
         await self.router.start()
         await self.on_router_start()
-        await self.gate.start()
+        await self.route_filter.start()
         self.ready = True
 
     async def supervise(self, interval_s: float = 0.25) -> None:
         """Restart a process that exited or hangs (forever; cancelled when the service stops).
 
-        Liveness: every ``health_check_interval_s`` each process must answer its ready URL within
-        max(2 s, ``health_check_timeout_s``); three silences in a row and it is killed and restarted.
+        Liveness: every `LIVENESS_INTERVAL_S` each process must answer its ready URL within
+        `LIVENESS_TIMEOUT_S`; three silences in a row and it is killed and restarted.
         """
-        cfg = self.spec.config
-        every = max(1, round(cfg.health_check_interval_s / interval_s))
-        timeout = max(2.0, cfg.health_check_timeout_s)
+        every = max(1, round(LIVENESS_INTERVAL_S / interval_s))
+        timeout = LIVENESS_TIMEOUT_S
         tick = 0
         while True:
             await asyncio.sleep(interval_s)
             tick += 1
-            for proc in (self.router, self.gate):
+            for proc in (self.router, self.route_filter):
                 if proc.alive() and tick % every == 0:
                     proc.misses = 0 if await proc.answers(timeout) else proc.misses + 1
                     if proc.misses >= 3 and proc.child is not None:
@@ -222,7 +213,7 @@ class DataPlane:
                         await asyncio.to_thread(proc.child.kill)
                 if not proc.alive():
                     await self._restart(proc)
-            self.ready = self.router.alive() and self.gate.alive()
+            self.ready = self.router.alive() and self.route_filter.alive()
 
     async def _restart(self, proc: Supervised) -> None:
         self.ready = False
@@ -246,20 +237,22 @@ class DataPlane:
 
     async def stop(self) -> None:
         self.ready = False
-        await self.gate.stop()
+        await self.route_filter.stop()
         await self.router.stop()
         self.placeholders.stop()
 
-    async def gate_stats(self) -> dict[str, int]:
+    async def filter_counts(self) -> dict[str, int]:
         """The route filter's counters ({} when it does not answer)."""
         try:
             async with httpx.AsyncClient(timeout=1.0) as http:
-                r = await http.get(f"http://127.0.0.1:{self.spec.stats_port}/stats")
-            return dict(r.json()) if r.status_code == 200 else {}
+                r = await http.get(f"http://127.0.0.1:{self.spec.stats_port}/metrics")
+            return filter_counters(r.content) if r.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}
 
     def pids(self) -> tuple[int | None, int | None]:
         router = self.router.child.pid if self.router.alive() and self.router.child else None
-        gate = self.gate.child.pid if self.gate.alive() and self.gate.child else None
-        return router, gate
+        filter_pid = (
+            self.route_filter.child.pid if self.route_filter.alive() and self.route_filter.child else None
+        )
+        return router, filter_pid

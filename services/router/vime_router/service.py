@@ -1,8 +1,10 @@
-"""The router service's state: registry, data plane, health checks, and keeping them in step.
+"""The router service's state: registry and data plane, and keeping them in step.
 
-`RouterService.sync()` is the one place vllm-router's worker list is changed: after every probe
-round, every registration / removal / drain, and every vllm-router (re)start (a restarted
-vllm-router starts empty and is refilled from the registry).
+`RouterService.sync()` is the one place vllm-router's worker list is changed: after every
+registration / removal / drain, every vllm-router (re)start (a restarted vllm-router starts empty
+and is refilled from the registry), and every `SYNC_INTERVAL_S` (a failed sync is tried again).
+The service judges no engine's health: registering checks once that the engine answers, and from
+then on the registrant says when it stops serving (DELETE, or drain).
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ import contextlib
 import logging
 from typing import Any
 
+import httpx
+
 from vime.config import RouterConfig
 from vime.service import ServiceError
-from vime.wire.router import DataPlaneStatus, EngineList, EngineRegistration, EngineStatus
-from vime_router.data_plane import DataPlane, DataPlaneSpec
-from vime_router.prober import Prober
+from vime.wire.engine_metrics import IN_FLIGHT, metric_sum
+from vime.wire.router import DataPlaneStatus, EngineList, EngineRegistration, RegisteredEngine
+from vime_router.data_plane import WORKER_ADD_TIMEOUT_S, DataPlane, DataPlaneSpec
 from vime_router.registry import Engine, Registry
 from vime_router.workers import RouterWorkers, WorkerSyncError
 
 log = logging.getLogger("vime.router")
+
+SYNC_INTERVAL_S = 2.0
+ENGINE_CALL_TIMEOUT_S = 5.0
+"""The one ``/health`` check at registration, and each ``/metrics`` read for an in-flight count."""
 
 
 class RouterService:
@@ -28,16 +36,13 @@ class RouterService:
 
     def __init__(self, config: RouterConfig, spec: DataPlaneSpec) -> None:
         self.config = config
-        self.registry = Registry(config.health_failure_threshold, config.health_success_threshold)
-        self.workers = RouterWorkers(spec.router_url, timeout_s=config.health_check_timeout_s * 5 + 5)
+        self.registry = Registry()
+        self.workers = RouterWorkers(spec.router_url, timeout_s=WORKER_ADD_TIMEOUT_S + 5)
         self.data_plane = DataPlane(spec, on_router_start=self.sync_quietly)
-        self.prober = Prober(
-            self.registry,
-            interval_s=config.health_check_interval_s,
-            timeout_s=config.health_check_timeout_s,
-            on_change=self.sync_quietly,
+        self._http = httpx.AsyncClient(
+            timeout=ENGINE_CALL_TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0)
         )
-        self.gate_counters: dict[str, int] = {}
+        self.filter_counts: dict[str, int] = {}
         self.sync_errors = 0
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -46,8 +51,7 @@ class RouterService:
         await self.data_plane.start()
         self._tasks = [
             asyncio.create_task(self.data_plane.supervise(), name="data-plane-supervisor"),
-            asyncio.create_task(self.prober.run(), name="health-checks"),
-            asyncio.create_task(self._poll_gate(), name="filter-counters"),
+            asyncio.create_task(self._keep_in_step(), name="keep-in-step"),
         ]
 
     async def stop(self) -> None:
@@ -57,13 +61,15 @@ class RouterService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.data_plane.stop()
-        await self.prober.aclose()
+        await self._http.aclose()
         await self.workers.aclose()
 
-    async def _poll_gate(self) -> None:
+    async def _keep_in_step(self) -> None:
+        """The filter's counters, and vllm-router's worker list re-synced with the registry."""
         while True:
-            self.gate_counters = await self.data_plane.gate_stats() or self.gate_counters
-            await asyncio.sleep(max(1.0, self.config.health_check_interval_s))
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            self.filter_counts = await self.data_plane.filter_counts() or self.filter_counts
+            await self.sync_quietly()
 
     # --- syncing vllm-router's worker list ----------------------------------------------------
     async def sync(self) -> None:
@@ -83,34 +89,52 @@ class RouterService:
             await self.sync()
 
     # --- what the routes do -------------------------------------------------------------------
-    def status(self, engine: Engine) -> EngineStatus:
-        return engine.status(in_data_plane=engine.url in self.workers.last_seen)
+    def status(self, engine: Engine, in_flight: int | None = None) -> RegisteredEngine:
+        return engine.status(in_data_plane=engine.url in self.workers.last_seen, in_flight=in_flight)
 
-    async def register(self, reg: EngineRegistration) -> tuple[EngineStatus, bool]:
+    async def register(self, reg: EngineRegistration) -> tuple[RegisteredEngine, bool]:
+        """Add an engine (it must answer ``/health`` now, 422 otherwise) and put it in the data plane."""
+        if reg.engine_id() not in self.registry.engines:
+            await self._check_answers(reg.url)
         engine, created = self.registry.register(reg)
-        if not engine.healthy:
-            await self.prober.check(engine)
         await self.sync()
         return self.status(engine), created
 
-    async def deregister(self, engine_id: str) -> EngineStatus:
+    async def _check_answers(self, url: str) -> None:
+        try:
+            r = await self._http.get(f"{url}/health")
+            error = None if r.status_code == 200 else f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:200]
+        if error is not None:
+            raise ServiceError(
+                422, f"url: {url} does not answer GET /health ({error}); register it once it does"
+            )
+
+    async def deregister(self, engine_id: str) -> RegisteredEngine:
         engine = self.registry.remove(engine_id)
         await self.sync()
         return engine.status(in_data_plane=False)
 
-    async def set_draining(self, engine_id: str, draining: bool) -> EngineStatus:
+    async def set_draining(self, engine_id: str, draining: bool) -> RegisteredEngine:
         engine = self.registry.get(engine_id)
         engine.draining = draining
         await self.sync()
         return self.status(engine)
 
-    async def refresh(self, engine_id: str) -> EngineStatus:
-        """One engine with its in-flight count read now (health verdicts stay with the prober)."""
+    async def refresh(self, engine_id: str) -> RegisteredEngine:
+        """One engine with its in-flight count read now from its ``/metrics``."""
         engine = self.registry.get(engine_id)
-        in_flight = await self.prober.in_flight(engine)
-        if in_flight is not None:
-            engine.in_flight = in_flight
-        return self.status(engine)
+        return self.status(engine, in_flight=await self.in_flight(engine.url))
+
+    async def in_flight(self, url: str) -> int | None:
+        """The engine's running + waiting requests; None if it does not say (or does not answer)."""
+        try:
+            r = await self._http.get(f"{url}/metrics")
+        except httpx.HTTPError:
+            return None
+        total = metric_sum(r.content, IN_FLIGHT) if r.status_code == 200 else None
+        return None if total is None else round(total)
 
     def data_plane_status(self) -> DataPlaneStatus:
         router_pid, filter_pid = self.data_plane.pids()
@@ -123,9 +147,9 @@ class RouterService:
             filter_pid=filter_pid,
             restarts=self.data_plane.restarts,
             workers=list(self.workers.last_seen),
-            forwarded=self.gate_counters.get("forwarded", 0),
-            refused=self.gate_counters.get("refused", 0),
-            in_flight=self.gate_counters.get("in_flight", 0),
+            forwarded=self.filter_counts.get("forwarded", 0),
+            refused=self.filter_counts.get("refused", 0),
+            in_flight=self.filter_counts.get("in_flight", 0),
         )
 
     def listing(self) -> EngineList:
@@ -138,7 +162,7 @@ class RouterService:
             raise ServiceError(
                 503, "the data plane (vllm-router + route filter) is not running", data_plane=dp.model_dump()
             )
-        routable = sum(1 for e in self.registry.engines.values() if e.routable)
+        routable = sum(1 for e in self.registry.engines.values() if self.status(e).routable)
         return {
             "data_plane": dp.model_dump(),
             "engines": len(self.registry.engines),

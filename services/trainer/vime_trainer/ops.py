@@ -17,15 +17,14 @@ from typing import Any, Protocol
 
 from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
-from vime.wire.rollout import EngineInfo, MemoryResult, RolloutJob
+from vime.retry import poll_until
+from vime.wire.rollout import LIVE, EngineInfo, MemoryResult, RolloutJob
 from vime.wire.trainer import CheckpointResult, PushResult
 from vime_trainer.batches import BatchRef, ShareSummary, TrainResult, log_skipped
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
 log = logging.getLogger("vime.trainer.run")
-
-LIVE = ("ready", "needs_weights")
 
 
 class RunError(RuntimeError):
@@ -78,23 +77,27 @@ class RunOps:
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
     async def wait_rollout_manager(self, timeout_s: float = 900.0) -> list[EngineInfo]:
         """Step 2 happens in the rollout manager's start-up: wait until it serves, engines started."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        last = "no answer yet"
+
+        async def ready() -> list[EngineInfo] | None:
+            nonlocal last
             if self.ctx.stop_requested:
                 raise RunStopped()
             try:
                 status = await self.rollout.engines()
-                if any(e.status in LIVE for e in status.engines):
-                    self.events.record(
-                        "rollout.ready", engines=len(status.engines), version=status.weight_version
-                    )
-                    return status.engines
-                last = "no live engine yet"
             except Exception as exc:
                 last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() > deadline:
-                raise RunError(f"the rollout manager is not ready after {timeout_s:.0f}s: {last}")
-            await asyncio.sleep(1.0)
+                return None
+            if not any(e.status in LIVE for e in status.engines):
+                last = "no live engine yet"
+                return None
+            self.events.record("rollout.ready", engines=len(status.engines), version=status.weight_version)
+            return status.engines
+
+        try:
+            return await poll_until(ready, timeout_s=timeout_s, interval_s=1.0, what="the rollout manager")
+        except TimeoutError:
+            raise RunError(f"the rollout manager is not ready after {timeout_s:.0f}s: {last}") from None
 
     async def start_trainer(self, resume: bool) -> dict[str, Any] | None:
         """Step 3: start the ranks (HF weights); when resuming, load the newest checkpoint over them."""

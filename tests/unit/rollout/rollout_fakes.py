@@ -141,6 +141,8 @@ class StubWorld:
         self.processes: dict[str, StubProcess] = {}
         self.registered: list[str] = []
         self.deregistered: list[str] = []
+        self.held: set[str] = set()
+        """What the stand-in router holds now."""
         self.finished: dict[str, float] = {}
         """What an engine's /metrics says it finished (absent: it does not say)."""
         self.logprobs_mode: dict[str, str | None] = {}
@@ -154,7 +156,12 @@ class StubWorld:
 
     async def register(self, url: str, *, gpu_ids: Sequence[int] = ()) -> None:
         self.registered.append(url)
+        self.held.add(url)
 
     async def deregister(self, engine: str) -> bool:
         self.deregistered.append(engine)
+        self.held.discard(engine)
         return True
+
+    async def registered_urls(self) -> set[str]:
+        return set(self.held)

@@ -4,10 +4,11 @@ repeated here."""
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from rollout_fakes import FakeGenerator, FakeScorer, StubControl, StubWorld
@@ -22,7 +23,11 @@ from vime_rollout.manager import RolloutManager
 from vime_rollout.sft import SftExamples
 
 from vime.algorithms import normalize_group_rewards
+from vime.clients.base import ServiceCallError, ServiceUnreachable
+from vime.clients.rollout import RolloutClient
 from vime.config import RunConfig, load_config
+from vime.procs import free_port
+from vime.retry import poll_until_blocking
 
 TOKEN = "t0ken"
 COMMON: dict[str, Any] = {
@@ -167,13 +172,12 @@ def test_eval_rollout_and_concurrency_conflict(client: Any) -> None:
     assert "offload after it finishes" in _error(c.post("/v1/engines/offload", headers=AUTH), 409)
     gen.hold_after = None
     gen.abort_event.set()  # every request now comes back aborted, as from an engine paused for good
-    deadline = time.monotonic() + 20
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/rollouts/{job_id}").json()
-        if job["state"] != "running":
-            break
-        time.sleep(0.05)
+    job: dict[str, Any] = poll_until_blocking(
+        lambda: (j := c.get(f"/v1/rollouts/{job_id}").json())["state"] != "running" and j,
+        timeout_s=20,
+        interval_s=0.05,
+        what="the rollout job ended",
+    )
     # Aborted by the engines, not by a full batch: retried a bounded number of times, then failed.
     assert job["state"] == "failed" and "aborted by the engines 6 times" in job["error"]
     assert c.post("/v1/rollouts", json={"rollout_id": 6}, headers=AUTH).status_code != 409  # slot free again
@@ -276,11 +280,63 @@ def test_a_preview_returns_its_samples_and_leaves_no_trace(client: Any, tokenize
 
 
 def _wait_done(c: Any, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        job: dict[str, Any] = c.get(f"/v1/rollouts/{job_id}").json()
-        if job["state"] != "running":
-            assert job["state"] == "done", job
-            return job
-        time.sleep(0.05)
+    job: dict[str, Any] = poll_until_blocking(
+        lambda: (j := c.get(f"/v1/rollouts/{job_id}").json())["state"] != "running" and j,
+        timeout_s=20,
+        interval_s=0.05,
+        what="the rollout job ended",
+    )
+    assert job["state"] == "done", job
+    return job
     raise AssertionError(f"job {job_id} still running")
+
+
+class LoseFirstReply(httpx.AsyncBaseTransport):
+    """Hands each request to the app; the first reply is lost after the app processed it."""
+
+    def __init__(self, app: TestClient) -> None:
+        self.app = app
+        self.calls = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        body = await request.aread()
+        r = await asyncio.to_thread(
+            self.app.request, request.method, request.url.path, content=body, headers=dict(request.headers)
+        )
+        if self.calls == 1:
+            raise httpx.ReadError("connection reset after the request was processed")
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+
+def test_update_lock_sent_again_after_a_lost_reply_gets_its_own_lease(client: Any) -> None:
+    c, _, _ = client
+
+    async def main() -> None:
+        lossy = LoseFirstReply(c)
+        async with RolloutClient("http://testserver", token=TOKEN, transport=lossy, backoff_s=0.01) as rc:
+            lock = await rc.update_lock(30)  # processed, reply lost, sent again: not its own 409
+            assert lossy.calls == 2 and lock.lease_id and len(lock.engines) == 2
+            assert (await rc.engines()).update_lock_held
+            other = LoseFirstReply(c)
+            other.calls = 1  # nothing lost: another caller is refused while the lease is held
+            async with RolloutClient("http://testserver", token=TOKEN, transport=other) as rc2:
+                with pytest.raises(ServiceCallError) as held:
+                    await rc2.update_lock(30)
+            assert held.value.status_code == 409
+            await rc.release_update_lock(lock.lease_id)
+            lossy.calls = 0  # a call that is not idempotent is not sent again after a lost reply
+            with pytest.raises(ServiceUnreachable):
+                await rc.training_completed(0)
+            assert lossy.calls == 1
+
+    asyncio.run(main())
+
+
+def test_a_refused_connection_is_retried_for_every_call() -> None:
+    async def main() -> None:
+        async with RolloutClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as rc:
+            with pytest.raises(ServiceUnreachable, match="after 3 attempt"):
+                await rc.training_completed(0)  # not idempotent, but it never reached the service
+
+    asyncio.run(main())

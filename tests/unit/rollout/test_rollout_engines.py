@@ -11,16 +11,18 @@ from typing import Any
 import pytest
 from rollout_fakes import StubControl, StubWorld
 from vime_rollout.engines.commands import EngineCommand, reference_command, vllm_command
-from vime_rollout.engines.control import normalize_wake_tags
 from vime_rollout.engines.group import EngineGroup, EngineStartError
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, container_spec
-from vime_rollout.engines.records import EngineStatus, LockHeld, UpdateLock
+from vime_rollout.engines.records import LockHeld, UpdateLock
 from vime_rollout.engines.spec import EnginePlanError, EngineSpec, plan_engines
 from vime_rollout.factory import make_launcher
 from vime_rollout.rollout.metrics import engine_request_metrics
 
 from vime.config import RunConfig, load_config
+from vime.retry import poll_until
+from vime.wire.engine import normalize_wake_tags
+from vime.wire.rollout import EngineState
 
 
 def _cfg(**over: Any) -> RunConfig:
@@ -166,7 +168,7 @@ def test_group_starts_registers_and_fans_memory_calls_out() -> None:
         group = _group(world)
         await group.start()
         urls = [r.url for r in group.records]
-        assert world.registered == urls and all(r.status is EngineStatus.READY for r in group.records)
+        assert world.registered == urls and all(r.status is EngineState.READY for r in group.records)
         res = await group.offload(2)
         assert res == dict.fromkeys(urls, "ok")
         assert sorted(c for c in world.calls if c[1] == "sleep") == sorted(
@@ -235,16 +237,17 @@ def test_dead_engine_is_restarted_and_waits_for_weights() -> None:
         world.up[victim.url] = False
         await monitor.check_once()
         assert victim.url in world.deregistered and not victim.registered
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if victim.status is EngineStatus.NEEDS_WEIGHTS:
-                break
-        assert victim.status is EngineStatus.NEEDS_WEIGHTS and victim.restarts == 1
+
+        async def waiting() -> bool:
+            return victim.status is EngineState.NEEDS_WEIGHTS
+
+        await poll_until(waiting, timeout_s=5, interval_s=0.01, what="restarted, waiting for weights")
+        assert victim.status is EngineState.NEEDS_WEIGHTS and victim.restarts == 1
         assert world.starts.count(victim.url) == 2 and not victim.registered
         assert [r.url for r in group.serving()] == [group.records[0].url, group.records[2].url]
         assert group.updatable() == group.records  # the push must reach it too
         await group.weights_loaded(2, [r.url for r in group.records])
-        assert victim.status is EngineStatus.READY and victim.registered and victim.weight_version == 2
+        assert victim.status is EngineState.READY and victim.registered and victim.weight_version == 2
         await monitor.stop()
 
     asyncio.run(main())
@@ -261,18 +264,64 @@ def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_on
         world.up[victim.url] = False
         monitor.start()
         await asyncio.sleep(0.05)
-        assert victim.status is EngineStatus.READY  # a sleeping engine is not a dead one
+        assert victim.status is EngineState.READY  # a sleeping engine is not a dead one
         monitor.resume("offload")
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if victim.restarts and victim.status is EngineStatus.READY:
-                break
+
+        async def serving() -> bool:
+            return victim.restarts > 0 and victim.status is EngineState.READY
+
+        await poll_until(serving, timeout_s=5, interval_s=0.01, what="restarted and serving")
         # Version 0 (no push yet): the restarted engine holds the checkpoint's weights and serves.
         assert (
-            victim.status is EngineStatus.READY
+            victim.status is EngineState.READY
             and victim.registered
             and world.registered.count(victim.url) == 2
         )
+        await monitor.stop()
+
+    asyncio.run(main())
+
+
+def test_the_router_is_kept_holding_exactly_the_serving_engines() -> None:
+    """The monitor is the one judge: a router that lost its registry (restarted) gets the serving
+    engines back, and an engine that does not serve is taken out, at the next check."""
+
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=3)
+        await group.start()
+        await group.weights_loaded(1, None)
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=2)
+        world.held.clear()  # the router restarted and holds nothing
+        group.records[2].status = EngineState.NEEDS_WEIGHTS  # restarted, waiting for a push
+        world.held.add(group.records[2].url)  # ... but somebody registered it
+        world.held.add("http://someone-elses:1")  # registered by a user: not ours to judge
+        await monitor.check_once()
+        assert world.held == {group.records[0].url, group.records[1].url, "http://someone-elses:1"}
+        assert [r.registered for r in group.records] == [True, True, False]
+        await monitor.stop()
+
+    asyncio.run(main())
+
+
+def test_an_external_engine_is_taken_out_while_it_fails_and_put_back_when_it_answers() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        world.can_restart = False  # engines attached by URL: the manager cannot restart them
+        group = _group(world, n=2)
+        await group.start()
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=2)
+        ext = group.records[1]
+        world.up[ext.url] = False
+        await monitor.check_once()
+        assert ext.status is EngineState.READY and ext.registered  # one failed probe is not enough
+        await monitor.check_once()
+        assert (
+            ext.status is EngineState.DEAD and ext.url not in world.held and world.starts.count(ext.url) == 1
+        )
+        world.up[ext.url] = True
+        await monitor.check_once()
+        assert ext.status is EngineState.READY and ext.url in world.held and ext.registered
         await monitor.stop()
 
     asyncio.run(main())

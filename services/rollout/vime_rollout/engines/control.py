@@ -13,27 +13,10 @@ from typing import Protocol
 
 from vime.clients.engine import EngineClient
 
-VLLM_WAKE_TAGS = ("weights", "kv_cache")
-"""The only tags vLLM's wake_up acts on selectively (its DEFERRABLE_TAGS, seed steps 10–13)."""
-
 HEALTH_TIMEOUT_S = 5.0
+"""Default bound of a /health probe (``engine.health_check_timeout_s``) and of a /metrics read."""
 CONTROL_TIMEOUT_S = 300.0
 """Sleep level 1 copies the weights to CPU; a 1.5B model took 2 s, larger ones take longer."""
-
-
-def normalize_wake_tags(tags: Sequence[str] | None) -> list[str] | None:
-    """Tags to send to vLLM: None wakes everything; others keep only ``weights`` / ``kv_cache``.
-
-    ``cuda_graph`` is dropped as in the seed (``_normalize_vllm_wake_tags``): CUDA-graph memory is
-    not deferrable, so it comes back with any wake-up (step 7). Order kept, duplicates removed.
-    """
-    if tags is None:
-        return None
-    out: list[str] = []
-    for t in tags:
-        if t in VLLM_WAKE_TAGS and t not in out:
-            out.append(t)
-    return out
 
 
 class EngineControl(Protocol):
@@ -63,9 +46,9 @@ def engine_control(url: str) -> EngineControl:
     return EngineClient(url, timeout=CONTROL_TIMEOUT_S, retries=1, max_connections=8)
 
 
-async def healthy(control: EngineControl) -> bool:
-    """True when the engine answers /health with 200 within a few seconds; never raises."""
+async def healthy(control: EngineControl, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """True when the engine answers /health with 200 within ``timeout_s``; never raises."""
     try:
-        return await asyncio.wait_for(control.health(), HEALTH_TIMEOUT_S)
+        return await asyncio.wait_for(control.health(), timeout_s)
     except Exception:
         return False

@@ -3,21 +3,24 @@
 Seed steps 2 (start + register), 4–7 and 10–13 (onload ``weights`` / ``kv_cache``), 33–36
 (offload at level 2 when engines receive weight updates, mode ``keep``), 28 (abort every
 engine's requests). Every fan-out runs on all engines concurrently and reports each engine's
-outcome; the health monitor (`health.py`) restarts engines that die.
+outcome; the health monitor (`health.py`) restarts engines that die. The router holds exactly the
+engines this group says serve (`sync_router`): it judges no engine's health itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from vime.retry import poll_until
+from vime.wire.engine import normalize_wake_tags
+from vime.wire.rollout import LIVE, EngineState
 from vime_rollout.engines.commands import LOGPROBS_MODE, EngineCommand
-from vime_rollout.engines.control import HEALTH_TIMEOUT_S, EngineControl, healthy, normalize_wake_tags
+from vime_rollout.engines.control import HEALTH_TIMEOUT_S, EngineControl, healthy
 from vime_rollout.engines.launchers import Launcher
-from vime_rollout.engines.records import LIVE, EngineRecord, EngineStatus, UpdateLock
+from vime_rollout.engines.records import EngineRecord, UpdateLock
 from vime_rollout.engines.spec import EngineSpec
 
 log = logging.getLogger("vime.rollout.engines")
@@ -33,6 +36,8 @@ class RouterRegistry(Protocol):
     async def register(self, url: str, *, gpu_ids: Sequence[int] = ()) -> object: ...
 
     async def deregister(self, engine: str) -> bool: ...
+
+    async def registered_urls(self) -> set[str]: ...
 
 
 class EngineStartError(RuntimeError):
@@ -66,8 +71,8 @@ class EngineGroup:
         """Launch every engine, wait until all answer /health, register them with the router."""
         await asyncio.gather(*(self.launch(rec) for rec in self.records))
         for rec in self.records:
-            rec.status, rec.weight_version = EngineStatus.READY, 0
-            await self.register(rec)
+            rec.status, rec.weight_version = EngineState.READY, 0
+            await self.register(rec, strict=True)
 
     async def launch(self, rec: EngineRecord) -> None:
         """Start (or restart) one engine's process and wait until it is healthy."""
@@ -79,18 +84,21 @@ class EngineGroup:
         rec.failures = 0
 
     async def wait_healthy(self, rec: EngineRecord) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        async def up() -> bool:
             if rec.process is not None and rec.process.alive() is False:
                 raise EngineStartError(
                     f"{rec.spec.name} exited before it was healthy:\n{rec.process.log_tail()}"
                 )
-            if await healthy(rec.control):
-                return
-            await asyncio.sleep(0.25)
-        raise EngineStartError(
-            f"{rec.spec.name} at {rec.url} not healthy after {self.startup_timeout_s:.0f}s"
-        )
+            return await healthy(rec.control)
+
+        try:
+            await poll_until(
+                up, timeout_s=self.startup_timeout_s, interval_s=0.25, what=f"{rec.spec.name} healthy"
+            )
+        except TimeoutError:
+            raise EngineStartError(
+                f"{rec.spec.name} at {rec.url} not healthy after {self.startup_timeout_s:.0f}s"
+            ) from None
 
     async def check_logprobs_mode(self, rec: EngineRecord) -> None:
         """Refuse an engine whose log-probs are not those of the distribution it samples from.
@@ -115,7 +123,7 @@ class EngineGroup:
             await self.deregister(rec)
         await asyncio.gather(*(self._stop_process(rec) for rec in self.records))
         for rec in self.records:
-            rec.status = EngineStatus.STOPPED
+            rec.status = EngineState.STOPPED
             await rec.control.aclose()
 
     async def _stop_process(self, rec: EngineRecord) -> None:
@@ -123,10 +131,17 @@ class EngineGroup:
             await asyncio.to_thread(rec.process.stop)
 
     # --- router --------------------------------------------------------------------------------
-    async def register(self, rec: EngineRecord) -> None:
-        if self.router is not None and not rec.registered:
-            await self.router.register(rec.url, gpu_ids=rec.spec.gpu_ids)
-        rec.registered = True
+    async def register(self, rec: EngineRecord, *, strict: bool = False) -> None:
+        """Put a serving engine in the router; a failure is logged (``strict``: raised) and the
+        next `sync_router` tries again."""
+        try:
+            if self.router is not None and not rec.registered:
+                await self.router.register(rec.url, gpu_ids=rec.spec.gpu_ids)
+            rec.registered = True
+        except Exception as exc:
+            if strict:
+                raise
+            log.warning("registering %s with the router: %s (retried)", rec.url, exc)
 
     async def deregister(self, rec: EngineRecord) -> None:
         if self.router is not None and rec.registered:
@@ -135,6 +150,25 @@ class EngineGroup:
             except Exception as exc:  # the router may be gone too; the engine is out either way
                 log.warning("deregistering %s: %s", rec.url, exc)
         rec.registered = False
+
+    async def sync_router(self) -> None:
+        """Make the router hold exactly the serving engines of this group: re-register those it lost
+        (a restarted router starts empty), take out those that no longer serve. Engines others
+        registered there are left alone."""
+        if self.router is None:
+            return
+        try:
+            held = await self.router.registered_urls()
+        except Exception as exc:  # the router is down or restarting: the next round tries again
+            log.warning("listing the router's engines: %s", exc)
+            return
+        for rec in self.records:
+            rec.registered = rec.url in held
+            if rec.status is EngineState.READY and not rec.registered:
+                log.info("%s is serving but not in the router: registering it", rec.spec.name)
+                await self.register(rec)
+            elif rec.status is not EngineState.READY and rec.registered:
+                await self.deregister(rec)
 
     async def finished_requests(self) -> dict[str, float]:
         """Each live engine's finished-request counter (engines that do not say, or not within
@@ -155,7 +189,7 @@ class EngineGroup:
         return [r for r in self.records if r.status in LIVE]
 
     def serving(self) -> list[EngineRecord]:
-        return [r for r in self.records if r.status is EngineStatus.READY]
+        return [r for r in self.records if r.status is EngineState.READY]
 
     async def _fan_out(
         self, records: list[EngineRecord], call: Callable[[EngineRecord], Any]
@@ -218,7 +252,7 @@ class EngineGroup:
         self.current_version = version
         for rec in targets:
             rec.weight_version = version
-            if rec.status is EngineStatus.NEEDS_WEIGHTS:
-                rec.status = EngineStatus.READY
+            if rec.status is EngineState.NEEDS_WEIGHTS:
+                rec.status = EngineState.READY
                 await self.register(rec)
         return targets

@@ -1,11 +1,15 @@
-"""The health monitor: find dead engines, restart them, keep them out of the router until they
-hold the current weights.
+"""The health monitor: the one judge of engine health. It finds dead engines, restarts them, and
+keeps the router holding exactly the engines that serve.
 
 Paused while engines are offloaded (seed step 33: a sleeping engine is not a dead one) and while
-the trainer holds the weight-update lock. An engine is dead when its process exited or when
-``failure_threshold`` probes in a row failed. A restarted engine comes back with the checkpoint's
-weights: if the trainer has pushed any since (version > 0) it waits as ``needs_weights``,
-deregistered, until the trainer pushes and reports them loaded; otherwise it serves at once.
+the trainer holds the weight-update lock. An engine is dead when its process exited (seen at the
+next check) or when ``failure_threshold`` probes in a row failed; it is taken out of the router at
+once. A restarted engine comes back with the checkpoint's weights: if the trainer has pushed any
+since (version > 0) it waits as ``needs_weights``, out of the router, until the trainer pushes and
+reports them loaded; otherwise it serves at once. An engine attached by URL (external) cannot be
+restarted: it is taken out while it fails and put back when it answers again. Each round ends by
+syncing the router with the serving set (`EngineGroup.sync_router`), so a restarted router gets
+the engines back.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import asyncio
 import contextlib
 import logging
 
-from vime_rollout.engines.control import healthy
+from vime.wire.rollout import EngineState
+from vime_rollout.engines.control import HEALTH_TIMEOUT_S, healthy
 from vime_rollout.engines.group import EngineGroup
-from vime_rollout.engines.records import EngineRecord, EngineStatus
+from vime_rollout.engines.records import EngineRecord
 
 log = logging.getLogger("vime.rollout.health")
 
@@ -26,10 +31,18 @@ MAX_RESTART_BACKOFF_S = 60.0
 class HealthMonitor:
     """Probes every engine each ``interval_s`` and restarts the dead ones (one task per restart)."""
 
-    def __init__(self, group: EngineGroup, *, interval_s: float = 2.0, failure_threshold: int = 2) -> None:
+    def __init__(
+        self,
+        group: EngineGroup,
+        *,
+        interval_s: float = 2.0,
+        failure_threshold: int = 2,
+        timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
         self.group = group
         self.interval_s = interval_s
         self.failure_threshold = failure_threshold
+        self.timeout_s = timeout_s
         self._paused_by: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._restarts: dict[str, asyncio.Task[None]] = {}
@@ -70,40 +83,41 @@ class HealthMonitor:
                     log.exception("health check failed")
 
     async def check_once(self) -> None:
-        """Probe each engine once; start a restart task for each newly dead one."""
+        """Probe each engine once (a restart task for each newly dead one), then sync the router."""
         await asyncio.gather(*(self._check(rec) for rec in self.group.records))
+        await self.group.sync_router()
 
     async def _check(self, rec: EngineRecord) -> None:
-        if rec.url in self._restarts or rec.status in (EngineStatus.STOPPED, EngineStatus.STARTING):
+        if rec.url in self._restarts or rec.status in (EngineState.STOPPED, EngineState.STARTING):
             return
         exited = rec.process is not None and rec.process.alive() is False
-        ok = not exited and await healthy(rec.control)
+        ok = not exited and await healthy(rec.control, self.timeout_s)
         if ok:
             rec.failures = 0
-            if rec.status is EngineStatus.DEAD:  # an external engine that came back
+            if rec.status is EngineState.DEAD:  # an external engine that came back
                 await self._back(rec)
             return
         rec.failures += 1
-        if rec.status is not EngineStatus.DEAD and (exited or rec.failures >= self.failure_threshold):
-            rec.status = EngineStatus.DEAD
+        if rec.status is not EngineState.DEAD and (exited or rec.failures >= self.failure_threshold):
+            rec.status = EngineState.DEAD
             rec.last_error = "process exited" if exited else f"{rec.failures} failed health probes"
             log.warning("%s at %s is dead (%s)", rec.spec.name, rec.url, rec.last_error)
             await self.group.deregister(rec)
-        if rec.status is EngineStatus.DEAD and self.group.launcher.can_restart:
+        if rec.status is EngineState.DEAD and self.group.launcher.can_restart:
             self._restarts[rec.url] = asyncio.create_task(self._restart(rec), name=f"restart-{rec.spec.name}")
 
     async def _restart(self, rec: EngineRecord) -> None:
         try:
             delay = min(MAX_RESTART_BACKOFF_S, 2.0**rec.restarts - 1)
             await asyncio.sleep(delay)
-            rec.status = EngineStatus.RESTARTING
+            rec.status = EngineState.RESTARTING
             rec.restarts += 1
             if rec.process is not None:
                 await asyncio.to_thread(rec.process.stop)
             await self.group.launch(rec)
             await self._back(rec)
         except Exception as exc:
-            rec.status = EngineStatus.DEAD
+            rec.status = EngineState.DEAD
             rec.last_error = f"restart failed: {exc}"
             log.error("%s: %s", rec.spec.name, rec.last_error)
         finally:
@@ -113,9 +127,9 @@ class HealthMonitor:
         """A healthy engine after a death: serve now, or wait for the trainer's weights."""
         rec.failures = 0
         if self.group.current_version > 0:
-            rec.status, rec.weight_version = EngineStatus.NEEDS_WEIGHTS, 0
+            rec.status, rec.weight_version = EngineState.NEEDS_WEIGHTS, 0
             log.info("%s is back and needs weights v%d", rec.spec.name, self.group.current_version)
         else:
-            rec.status, rec.weight_version = EngineStatus.READY, 0
+            rec.status, rec.weight_version = EngineState.READY, 0
             await self.group.register(rec)
             log.info("%s is back and serving", rec.spec.name)

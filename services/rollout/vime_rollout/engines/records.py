@@ -12,24 +12,11 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from vime.wire.rollout import LIVE, EngineState
 from vime_rollout.engines.control import EngineControl
 from vime_rollout.engines.launchers import EngineProcess
 from vime_rollout.engines.spec import EngineSpec
-
-
-class EngineStatus(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    NEEDS_WEIGHTS = "needs_weights"
-    DEAD = "dead"
-    RESTARTING = "restarting"
-    STOPPED = "stopped"
-
-
-LIVE = (EngineStatus.READY, EngineStatus.NEEDS_WEIGHTS)
-"""Engines that answer: they receive memory calls and weight pushes."""
 
 
 @dataclass
@@ -37,7 +24,7 @@ class EngineRecord:
     spec: EngineSpec
     control: EngineControl
     process: EngineProcess | None = None
-    status: EngineStatus = EngineStatus.STARTING
+    status: EngineState = EngineState.STARTING
     registered: bool = False
     weight_version: int | None = None
     """Version of the weights it holds: 0 = the checkpoint it started from."""
@@ -69,13 +56,14 @@ class UpdateLock:
     def held(self) -> bool:
         return self.lease_id is not None and time.monotonic() < self.expires_at
 
-    def acquire(self, ttl_s: float) -> str:
-        if self.held():
+    def acquire(self, ttl_s: float, lease_id: str | None = None) -> str:
+        """Take the lock as ``lease_id`` (a new id when None); the holder asking again renews it."""
+        if self.held() and (lease_id is None or lease_id != self.lease_id):
             raise LockHeld(
                 f"the weight-update lock is held by lease {self.lease_id} for "
                 f"{self.expires_at - time.monotonic():.0f} more seconds"
             )
-        self.lease_id = uuid.uuid4().hex[:16]
+        self.lease_id = lease_id or uuid.uuid4().hex[:16]
         self.expires_at = time.monotonic() + ttl_s
         return self.lease_id
 
