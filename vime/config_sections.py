@@ -144,7 +144,11 @@ class ServicesConfig(Section):
     trainer_url: str | None = None
     """Trainer service URL when it runs elsewhere."""
     api_token: str | None = None
-    """Bearer token required on state-changing routes (env VIME_API_TOKEN also works)."""
+    """Bearer token required on state-changing routes (env VIME_API_TOKEN also works). A service
+    refuses to start without one unless ``insecure``; `vime up` / `vime train` generate one."""
+    insecure: bool = False
+    """Serve with no token, every route open (the services' ``--insecure``): a service without a
+    token refuses to start unless this says so."""
     redis_url: str | None = None
     """Redis URL; None lets the launcher start a private redis-server."""
 

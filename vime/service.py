@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from vime.config_sections import ServicesConfig
 
 log = logging.getLogger("vime.service")
 
@@ -93,9 +95,28 @@ def make_token_checker(token: str | None) -> Callable[[Request], Awaitable[None]
     return require_token
 
 
-def configured_token(token: str | None = None) -> str | None:
-    """The shared token: the one given, else VIME_API_TOKEN, else none (auth off)."""
-    return token or os.environ.get("VIME_API_TOKEN") or None
+INSECURE_HELP = (
+    "serve with no API token, every route open to whatever reaches the port "
+    "(same as services.insecure=true or VIME_SERVICES__INSECURE=true)"
+)
+
+
+def start_token(services: ServicesConfig, name: str, *, insecure: bool = False) -> str | None:
+    """The token a service starts with (``services.api_token``, else VIME_API_TOKEN).
+
+    With none, the service refuses to start (`SystemExit` with one line saying what to set)
+    unless ``--insecure`` or ``services.insecure`` says to serve open, which is logged.
+    """
+    token = services.token()
+    if token:
+        return token
+    if insecure or services.insecure:
+        log.warning("%s: no API token (insecure): every route is open to whatever reaches its port", name)
+        return None
+    raise SystemExit(
+        f"vime {name}: no API token: set VIME_API_TOKEN (or services.api_token), "
+        "or pass --insecure to serve with every route open"
+    )
 
 
 class Metrics:

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from vime.config import ConfigError, load_config
-from vime.service import serve
+from vime.service import INSECURE_HELP, serve, start_token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="interface to bind (default: services.host)")
     parser.add_argument("--port", type=int, help="port (default: services.reward_port)")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -27,9 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from vime_reward.app import build_app
 
-    serve(
-        build_app(cfg), args.host or cfg.services.host, args.port or cfg.services.reward_port, args.log_level
-    )
+    app = build_app(cfg, token=start_token(cfg.services, "reward", insecure=args.insecure))
+    serve(app, args.host or cfg.services.host, args.port or cfg.services.reward_port, args.log_level)
     return 0
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from vime.config import ConfigError, load_config
-from vime.service import configured_token, serve
+from vime.service import INSECURE_HELP, serve, start_token
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-dir", type=Path, default=None, help="engine logs (default: <output_dir>/<run>/logs)"
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     return p.parse_args(argv)
 
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(2) from None
+    token = start_token(cfg.services, "rollout", insecure=args.insecure)
     from vime_rollout.app import build_app
     from vime_rollout.factory import build_manager
     from vime_rollout.manager import RolloutManager
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     async def start() -> RolloutManager:
         return await build_manager(cfg, log_dir=args.log_dir)
 
-    app = build_app(start, token=configured_token(cfg.services.token()), default_dp_size=cfg.dp_size)
+    app = build_app(start, token=token, default_dp_size=cfg.dp_size)
     host = args.host or cfg.services.host
     port = args.port or cfg.services.rollout_port
     serve(app, host, port, log_level="info" if args.log_level.lower() == "debug" else "warning")

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from vime.config import ConfigError, load_config
-from vime.service import configured_token, serve
+from vime.service import INSECURE_HELP, serve, start_token
 from vime_router.app import build_app
 from vime_router.data_plane import DataPlaneSpec
 from vime_router.service import RouterService
@@ -28,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-port", type=int, help="public data-plane port (default services.router_port)")
     p.add_argument("--log-dir", help="where vllm-router's and the filter's logs go (default: a temp dir)")
     p.add_argument("--log-level", default="info", help="lifecycle at info; ejections and failures at warning")
+    p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     return p.parse_args(argv)
 
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
     services = cfg.services
+    token = start_token(services, "router", insecure=args.insecure)
     host = args.host or services.host
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="vime-router-"))
     spec = DataPlaneSpec(
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         args.port or services.router_control_port,
         log_dir,
     )
-    app = build_app(RouterService(cfg.router, spec), configured_token(services.token()))
+    app = build_app(RouterService(cfg.router, spec), token)
     serve(app, host, args.port or services.router_control_port)
 
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from vime.config import ConfigError, RunConfig, load_config
-from vime.service import configured_token, serve
+from vime.service import INSECURE_HELP, serve, start_token
 from vime_trainer.ray_exit import keep_signal_handlers, shutdown_ray
 
 
@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run: the run id (default: the config's or $VIME_RUN_ID, else a timestamp)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument("--insecure", action="store_true", help=f"serve: {INSECURE_HELP}")
     return p.parse_args(argv)
 
 
@@ -83,11 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     if args.command == "run":
         raise SystemExit(asyncio.run(run_once(args)))
+    token = start_token(cfg.services, "trainer", insecure=args.insecure)
     from vime_trainer.app import build_app
     from vime_trainer.runs import RunRegistry
 
     registry = RunRegistry(lambda extra: load_config(args.config, [*args.overrides, *extra]), backend_factory)  # type: ignore[arg-type]
-    app = build_app(registry, token=configured_token(cfg.services.token()), on_shutdown=shutdown_ray)
+    app = build_app(registry, token=token, on_shutdown=shutdown_ray)
     serve(app, args.host or cfg.services.host, args.port or cfg.services.trainer_port)
 
 
