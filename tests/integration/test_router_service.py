@@ -162,6 +162,9 @@ def test_state_changing_routes_need_the_token(router: RouterProcess, logs: Path)
     assert httpx.post(f"{router.control_url}/v1/engines/e0/drain", headers=wrong).status_code == 401
     assert httpx.delete(f"{router.control_url}/v1/engines/e0").status_code == 401
     assert httpx.get(f"{router.control_url}/v1/engines").status_code == 200
+    # The data plane's status names vllm-router's private port (issue 17): behind the token too.
+    assert httpx.get(f"{router.control_url}/v1/data-plane").status_code == 401
+    assert httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).status_code == 200
     assert (
         httpx.post(
             f"{router.control_url}/v1/engines", json={"url": "ftp://x"}, headers=router.headers()
@@ -361,7 +364,9 @@ def test_unreachable_engine_registers_but_never_serves(router: RouterProcess) ->
     try:
         assert (
             f"http://127.0.0.1:{ghost}"
-            not in httpx.get(f"{router.control_url}/v1/data-plane").json()["workers"]
+            not in httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).json()[
+                "workers"
+            ]
         )
         assert "ghost" not in asyncio.run(send_many(router, 8))
     finally:
