@@ -54,6 +54,10 @@ class RewardConfig(Section):
     """Default reward function (math, gsm8k, dapo, deepscaler, exact_match, f1, arithmetic, remote, or module:function)."""
     custom_rm_path: str | None = None
     """Import path of a user reward function (package.module:function); overrides rm_type."""
+    allowed_functions: list[str] = Field(default_factory=list)
+    """Other user reward functions (package.module:function) a request's ``fn`` or a sample's
+    ``metadata.rm_type`` may name. custom_rm_path and an import-path rm_type are allowed without
+    being listed; any other import path is refused (403) and never imported."""
     group_rm: bool = False
     """Score a whole group in one batched call instead of one call per sample (seed step 26)."""
     timeout_s: float = Field(10.0, gt=0)

@@ -31,7 +31,8 @@ class RewardRequest(BaseModel):
     prompt: str | list[dict[str, Any]] | None = None
     """The prompt text or chat messages (passed to user and remote functions)."""
     fn: str | None = None
-    """Reward function: a built-in name or package.module:function; None uses the service default."""
+    """Reward function: a built-in name, or a package.module:function the service was started with
+    (reward.allowed_functions); None uses the service default."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of the reward function (see GET /v1/reward-functions)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -127,7 +128,8 @@ class RewardFunctionList(BaseModel):
     user_functions: str = (
         "package.module:function, sync or async, called with a RewardRequest (a list of them for "
         "group batches); returns a number, a bool, or a dict with 'reward' or 'score' (and optional "
-        "'pred'); the module must be importable by the reward service"
+        "'pred'); the module must be importable by the reward service, and the function configured "
+        "at start (reward.custom_rm_path or reward.allowed_functions)"
     )
 
 
