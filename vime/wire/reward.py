@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vime.types import Sample
+from vime.wire.bounds import TokenId
 
 
 class RewardRequest(BaseModel):
@@ -24,7 +25,7 @@ class RewardRequest(BaseModel):
 
     response: str | None = None
     """The decoded response text."""
-    response_token_ids: list[int] | None = None
+    response_token_ids: list[TokenId] | None = None
     """The response token ids (for user functions that work on tokens)."""
     label: Any = Field(...)
     """What the reward function checks against (the dataset's label)."""
