@@ -9,6 +9,7 @@ the service's own (``output_dir``, ``trainer.checkpoint_dir``), and every number
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from vime.config import RunConfig, TrainerConfig
 from vime.service import ServiceError
 from vime.wire.bounds import MAX_ID
+from vime.wire.trainer import RUN_ID_PATTERN
 
 RUN_FIELDS = frozenset(
     {
@@ -85,6 +87,11 @@ def check_overrides(config: Mapping[str, Any], base: RunConfig) -> None:
             "and router apply their config at start (set it there); a run may change the trainer's "
             f"fields ({', '.join(sorted(RUN_FIELDS))}, trainer.*, services.rollout_url)",
             fields=refused,
+        )
+    run_id = leaves.get("run_id")
+    if run_id is not None and not (isinstance(run_id, str) and re.fullmatch(RUN_ID_PATTERN, run_id)):
+        raise ServiceError(
+            422, f"config.run_id: {run_id!r} is not a run id ({RUN_ID_PATTERN})", field="run_id"
         )
     roots = {"output_dir": base.output_dir, "trainer.checkpoint_dir": base.trainer.checkpoint_dir}
     for name in CONFINED_PATHS:

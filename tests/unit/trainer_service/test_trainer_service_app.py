@@ -64,8 +64,9 @@ def test_runs_need_the_token_and_a_valid_config(app_client: Any) -> None:
     assert r.status_code == 422 and "does not divide the 1 training ranks" in r.json()["error"]["message"]
     r = client.post("/v1/runs", json={"config": {"no_such_field": 1}}, headers=AUTH)
     assert r.status_code == 422 and "no_such_field" in r.json()["error"]["message"]
-    r = client.post("/v1/runs", json={"run_id": "../x"}, headers=AUTH)
-    assert r.status_code == 422 and "run_id" in r.json()["error"]["message"]
+    for bad in ("../x", "..", "."):
+        r = client.post("/v1/runs", json={"run_id": bad}, headers=AUTH)
+        assert r.status_code == 422 and "run_id" in r.json()["error"]["message"]
     r = client.post("/v1/runs", json={"confg": {}}, headers=AUTH)
     assert r.status_code == 422 and "confg" in r.json()["error"]["message"]
 
@@ -122,6 +123,7 @@ def test_a_run_may_change_only_what_it_applies(app_client: Any, tmp_path: Path) 
         ({"output_dir": str(tmp_path / "runs" / ".." / "elsewhere")}, "config.output_dir"),
         ({"trainer": {"checkpoint_dir": str(tmp_path)}}, "config.trainer.checkpoint_dir"),
         ({"start_rollout_id": 2**60}, "config.start_rollout_id"),
+        ({"run_id": ".."}, "config.run_id"),  # it names <checkpoint_dir>/<run_id>
     ]
     for config, field in outside:
         r = client.post("/v1/runs", json={"config": config}, headers=AUTH)
