@@ -111,8 +111,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         port = procs.free_port()
         argv = procs.python_module(
-            "vime_reward", "--port", str(port), "--set", f"reward.num_workers={args.workers}"
-        )
+            "vime_reward", "--port", str(port), "--set", f"reward.num_workers={args.workers}", "--insecure"
+        )  # built-in functions only: no route it calls needs a token
         child = procs.start("reward", argv, log_path=Path(tmp) / "reward.log")
         url = f"http://127.0.0.1:{port}"
         try:

@@ -269,7 +269,7 @@ def run_all(
     """Every concurrency, ``rounds`` times every mode back to back."""
     for e in engines:
         router.register(e)
-    dp = httpx.get(f"{router.control_url}/v1/data-plane").json()
+    dp = httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).json()
     pids = {"route-filter": dp["filter_pid"], "vllm-router": dp["router_pid"]}
     pids |= {f"engine {e.engine_id}": e.child.pid for e in engines}
     targets = {

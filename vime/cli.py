@@ -29,10 +29,20 @@ err = Console(stderr=True)
 out = Console()
 
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show every service log line.")]
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="Start the services with no API token, every route open (otherwise a token is generated "
+        "when none is configured).",
+    ),
+]
 
 
-def _launch_config(config: Path | None, set_: list[str] | None) -> RunConfig:
+def _launch_config(config: Path | None, set_: list[str] | None, insecure: bool = False) -> RunConfig:
     """``--config``, else this host's embedded default (examples/cpu.yaml without a GPU)."""
+    if insecure:
+        set_ = [*(set_ or []), "services.insecure=true"]
     if config is None:
         from vime.launch.defaults import default_config_path
 
@@ -46,12 +56,18 @@ def _launch_config(config: Path | None, set_: list[str] | None) -> RunConfig:
 
 
 def _client_config(config: Path | None, set_: list[str] | None) -> RunConfig:
-    """``--config``, else the newest stack's resolved config, else the defaults."""
+    """``--config``, else the newest stack's resolved config, else the defaults; the token, when
+    none is configured, is the one the stack generated beside that config."""
+    from vime.launch.token import token_beside
+
     if config is None:
         from vime.launch.stack import latest_config
 
         config = latest_config(load_or_exit(None, set_).output_dir)
-    return load_or_exit(config, set_)
+    cfg = load_or_exit(config, set_)
+    if cfg.services.token() is None and (token := token_beside(config)):
+        cfg.services.api_token = token
+    return cfg
 
 
 @config_app.command("show")
@@ -61,21 +77,25 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def up(config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False) -> None:
+def up(
+    config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False, insecure: InsecureOpt = False
+) -> None:
     """Start Redis, router, reward, rollout manager (with its engines) and trainer; Ctrl-C stops all."""
     from vime.launch.stack import plan_stack
     from vime.launch.up import run_up
 
-    raise typer.Exit(run_up(plan_stack(_launch_config(config, set_)), out, verbose=verbose))
+    raise typer.Exit(run_up(plan_stack(_launch_config(config, set_, insecure)), out, verbose=verbose))
 
 
 @app.command()
-def train(config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False) -> None:
+def train(
+    config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False, insecure: InsecureOpt = False
+) -> None:
     """Start the stack, run GRPO to num_rollout with live progress, print a summary, stop the stack."""
     from vime.launch.stack import plan_stack
     from vime.launch.train import run_train
 
-    raise typer.Exit(run_train(plan_stack(_launch_config(config, set_)), out, verbose=verbose))
+    raise typer.Exit(run_train(plan_stack(_launch_config(config, set_, insecure)), out, verbose=verbose))
 
 
 @app.command()

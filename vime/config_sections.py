@@ -54,6 +54,10 @@ class RewardConfig(Section):
     """Default reward function (math, gsm8k, dapo, deepscaler, exact_match, f1, arithmetic, remote, or module:function)."""
     custom_rm_path: str | None = None
     """Import path of a user reward function (package.module:function); overrides rm_type."""
+    allowed_functions: list[str] = Field(default_factory=list)
+    """Other user reward functions (package.module:function) a request's ``fn`` or a sample's
+    ``metadata.rm_type`` may name. custom_rm_path and an import-path rm_type are allowed without
+    being listed; any other import path is refused (403) and never imported."""
     group_rm: bool = False
     """Score a whole group in one batched call instead of one call per sample (seed step 26)."""
     timeout_s: float = Field(10.0, gt=0)
@@ -148,7 +152,11 @@ class ServicesConfig(Section):
     trainer_url: str | None = None
     """Trainer service URL when it runs elsewhere."""
     api_token: str | None = None
-    """Bearer token required on state-changing routes (env VIME_API_TOKEN also works)."""
+    """Bearer token required on state-changing routes (env VIME_API_TOKEN also works). A service
+    refuses to start without one unless ``insecure``; `vime up` / `vime train` generate one."""
+    insecure: bool = False
+    """Serve with no token, every route open (the services' ``--insecure``): a service without a
+    token refuses to start unless this says so."""
     redis_url: str | None = None
     """Redis URL; None lets the launcher start a private redis-server."""
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from vime.config_sections import ServicesConfig
 
 log = logging.getLogger("vime.service")
 
@@ -40,19 +42,22 @@ def error_body(message: str, **details: Any) -> dict[str, Any]:
 
 
 class BodySizeLimit:
-    """ASGI middleware answering 413 when a request body exceeds ``max_bytes`` (checked while streaming)."""
+    """ASGI middleware answering 413 when a request body exceeds ``max_bytes``, or the limit
+    ``per_path`` gives its path (checked while streaming)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = dict(per_path or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._reject(scope, receive, send, limit)
             return
         seen = 0
 
@@ -61,17 +66,17 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     raise _TooLarge()
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except _TooLarge:
-            await self._reject(scope, receive, send)
+            await self._reject(scope, receive, send, limit)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = JSONResponse(error_body(f"request body larger than {self.max_bytes} bytes"), status_code=413)
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        resp = JSONResponse(error_body(f"request body larger than {limit} bytes"), status_code=413)
         await resp(scope, receive, send)
 
 
@@ -93,9 +98,28 @@ def make_token_checker(token: str | None) -> Callable[[Request], Awaitable[None]
     return require_token
 
 
-def configured_token(token: str | None = None) -> str | None:
-    """The shared token: the one given, else VIME_API_TOKEN, else none (auth off)."""
-    return token or os.environ.get("VIME_API_TOKEN") or None
+INSECURE_HELP = (
+    "serve with no API token, every route open to whatever reaches the port "
+    "(same as services.insecure=true or VIME_SERVICES__INSECURE=true)"
+)
+
+
+def start_token(services: ServicesConfig, name: str, *, insecure: bool = False) -> str | None:
+    """The token a service starts with (``services.api_token``, else VIME_API_TOKEN).
+
+    With none, the service refuses to start (`SystemExit` with one line saying what to set)
+    unless ``--insecure`` or ``services.insecure`` says to serve open, which is logged.
+    """
+    token = services.token()
+    if token:
+        return token
+    if insecure or services.insecure:
+        log.warning("%s: no API token (insecure): every route is open to whatever reaches its port", name)
+        return None
+    raise SystemExit(
+        f"vime {name}: no API token: set VIME_API_TOKEN (or services.api_token), "
+        "or pass --insecure to serve with every route open"
+    )
 
 
 class Metrics:
@@ -128,11 +152,13 @@ def create_app(
     *,
     version: str = "0.1.0",
     max_body_bytes: int | None = None,
+    body_limits: Mapping[str, int] | None = None,
     health: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     lifespan: Any = None,
 ) -> FastAPI:
     """A FastAPI app with the vime conventions: /health, /metrics, error shapes, body limit.
 
+    ``body_limits`` gives paths a body limit of their own instead of ``max_body_bytes``.
     ``app.state.metrics`` holds the `Metrics`; ``health`` may add fields to /health and raise
     `ServiceError(503, ...)` while the service is not ready.
     """
@@ -141,7 +167,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.started_at = time.time()
     if max_body_bytes is not None:
-        app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+        app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, per_path=body_limits)
 
     @app.middleware("http")
     async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from vime.config import ConfigError, RunConfig, load_config
+from vime.service import INSECURE_HELP
 
 BAD_CONFIG = 2
 """Exit code of every vime command whose run config cannot be loaded (click's usage-error code)."""
@@ -25,6 +26,7 @@ SetOpt = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Override: key=value (dotted for sections).")
 ]
 HostOpt = Annotated[str | None, typer.Option("--host", help="Interface to bind (default: services.host).")]
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help=INSECURE_HELP.capitalize() + ".")]
 
 
 def load_or_exit(config: Path | None, overrides: list[str] | None) -> RunConfig:

@@ -1,7 +1,9 @@
 """`vime up`, `vime status`, `vime rollout` and `vime train` as real processes over a real stack:
 Redis, router (vllm-router), reward, rollout manager with a CPU reference engine, trainer.
 
-What must hold: `up` starts everything and `status` sees it healthy; `rollout` returns the
+What must hold: `up` starts everything and `status` sees it healthy; with no token configured it
+generates one (printed once, kept 0600 in the run directory) and nothing answers without it;
+`rollout` returns the
 rollout's samples and publishes nothing a later run could train on; Ctrl-C stops every process the stack started (engines, vllm-router and Ray
 workers are grandchildren) and frees every port; a child that dies takes the stack down with a
 non-zero exit and the child's log tail; a busy port is refused before anything starts; `train`
@@ -15,6 +17,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -86,7 +89,8 @@ def _stop(launched: Launched) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Launched]:
-    up = _launch("up", tmp_path_factory.mktemp("cli-up"), model_cache)
+    """`vime up` with no token configured: the stack makes its own."""
+    up = _launch("up", tmp_path_factory.mktemp("cli-up"), model_cache, services__api_token=None)
     try:
         wait_for_output(up.child, "is up", STARTUP_S)
         yield up
@@ -112,6 +116,27 @@ def test_status_sees_every_service_healthy(stack: Launched) -> None:
     code, again = _status("--set", f"output_dir={stack.cfg['output_dir']}")
     assert code == 0 and again["redis"] == "ok"
     assert os.readlink(Path(stack.cfg["output_dir"]) / "latest") == stack.cfg["run_id"]
+
+
+def test_the_stack_generated_its_token_and_nothing_answers_without_it(stack: Launched) -> None:
+    run_dir = stack.resolved.parent
+    token_file = run_dir / "api_token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and token not in stack.resolved.read_text()
+    assert stack.child.log_path is not None
+    assert stack.child.log_path.read_text(errors="replace").count(token) == 1  # printed once
+    services = yaml.safe_load(stack.resolved.read_text())["services"]
+    trainer = f"http://127.0.0.1:{services['trainer_port']}"
+    rollout = f"http://127.0.0.1:{services['rollout_port']}"
+    router = f"http://127.0.0.1:{services['router_control_port']}"
+    for url, path in ((trainer, "/v1/runs"), (rollout, "/v1/admission/pause"), (router, "/v1/engines")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(url + path, json={}, headers=headers, timeout=30)
+            assert r.status_code == 401, (path, r.text)
+    assert httpx.get(router + "/v1/data-plane", timeout=30).status_code == 401
+    auth = {"Authorization": f"Bearer {token}"}
+    assert httpx.get(router + "/v1/data-plane", headers=auth, timeout=30).json()["ready"]
 
 
 def test_a_healthy_start_prints_only_the_launchers_lines(stack: Launched) -> None:

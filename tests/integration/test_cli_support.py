@@ -92,14 +92,16 @@ def start_vime(log: Path, *args: str, mark: str, model_cache: Path) -> procs.Chi
 
 
 def run_vime(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """A client command; the token comes from the environment (resolved configs never hold it)."""
+    """A client command with no token in its environment: it finds the one its stack generated
+    beside the resolved config (resolved configs never hold a token)."""
+    environ = {k: v for k, v in os.environ.items() if k != "VIME_API_TOKEN"}
     return subprocess.run(
         [sys.executable, "-m", "vime", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=cwd,
-        env={**os.environ, "COLUMNS": "200", "VIME_API_TOKEN": TOKEN},
+        env={**environ, "COLUMNS": "200"},
     )
 
 

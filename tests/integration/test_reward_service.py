@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
@@ -33,6 +34,11 @@ ERROR_REWARD = -0.25
 MAX_BODY = 4 * 1024 * 1024
 TOKEN = "reward-test-token"
 USER_MODULE = "vime_reward_test_user_fns"
+ALLOWED = [
+    f"{USER_MODULE}:{fn}"
+    for fn in ("hang", "wedge", "crash", "async_len", "group_rank", "counted", "token_sum")
+]
+"""The user functions the service is started with (``reward.allowed_functions``)."""
 
 USER_FUNCTIONS = '''
 import asyncio
@@ -77,7 +83,19 @@ def counted(req):
 
 def token_sum(req):
     return float(sum(req.response_token_ids or []))
+
 '''
+FORBIDDEN_MODULE = "vime_reward_test_forbidden"
+"""Importable by the service, never allowed: importing it leaves a file behind."""
+FORBIDDEN_FUNCTIONS = """
+import os
+
+open(os.environ["VIME_TEST_IMPORT_MARK"], "a").close()
+
+
+def anything(req):
+    return 1.0
+"""
 
 NATALIA = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -86,10 +104,19 @@ NATALIA = (
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The reward service on a free port, with the test's user functions importable."""
+def service_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The service's importable modules: the test's user functions, and one it may import but must
+    not (importing it creates ``imported.mark`` here)."""
     root = tmp_path_factory.mktemp("reward")
     (root / f"{USER_MODULE}.py").write_text(textwrap.dedent(USER_FUNCTIONS))
+    (root / f"{FORBIDDEN_MODULE}.py").write_text(textwrap.dedent(FORBIDDEN_FUNCTIONS))
+    return root
+
+
+@pytest.fixture(scope="module")
+def service(service_root: Path) -> Iterator[str]:
+    """The reward service on a free port, the test's user functions allowed (`ALLOWED`)."""
+    root = service_root
     port = procs.free_port()
     overrides = {
         "reward.timeout_s": TIMEOUT_S,
@@ -97,12 +124,17 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "reward.error_reward": ERROR_REWARD,
         "reward.num_workers": 2,
         "reward.max_body_bytes": MAX_BODY,
+        "reward.allowed_functions": json.dumps(ALLOWED),
     }
     argv = procs.python_module("vime_reward", "--port", str(port))
     for key, value in overrides.items():
         argv += ["--set", f"{key}={value}"]
     pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": pythonpath, "VIME_API_TOKEN": TOKEN}
+    env = {
+        "PYTHONPATH": pythonpath,
+        "VIME_API_TOKEN": TOKEN,
+        "VIME_TEST_IMPORT_MARK": str(root / "imported.mark"),
+    }
     child = procs.start("reward", argv, log_path=root / "reward.log", env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -413,7 +445,7 @@ def test_bad_requests_get_clear_4xx(service: str) -> None:
     r = post("/v1/reward", json={"response": "x", "label": "1", "fn": f"{USER_MODULE}:hang"})
     assert r.status_code == 401
     r = post("/v1/reward", json={"response": "x", "label": "1", "fn": "no_such_module_xyz:fn"}, headers=auth)
-    assert r.status_code == 400 and "cannot load" in r.json()["error"]["message"]
+    assert r.status_code == 403 and "fn: reward function 'no_such_module_xyz:fn' is not allowed" in r.text
     for fn, text in [("math", "so \\\\boxed{\\ud800}"), ("dapo", "Answer: \\ud800")]:
         # A lone surrogate is valid JSON but not UTF-8: the reply must still encode.
         body = f'{{"response": "{text}", "label": "1", "fn": "{fn}"}}'
@@ -421,6 +453,27 @@ def test_bad_requests_get_clear_4xx(service: str) -> None:
         assert r.status_code == 200 and r.json()["pred"] is not None, (fn, r.text)
     metrics = httpx.get(f"{service}/metrics").text
     assert not re.search(r'vime_http_requests_total\{[^}]*status="5\d\d"', metrics)
+
+
+def test_a_request_cannot_name_code_to_import(service: str, service_root: Path) -> None:
+    """Issue 17: ``{"fn": "os:getcwd"}`` used to call ``posix.getcwd()``. Only the functions the
+    service was started with may be named; any other import path is a 403 naming the field, with
+    the token or without, in a batch too, and its module is never imported."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    post = lambda path, body: httpx.post(f"{service}{path}", json=body, headers=auth, timeout=30)  # noqa: E731
+    for fn in ("os:getcwd", f"{FORBIDDEN_MODULE}:anything", "subprocess:run"):
+        r = post("/v1/reward", {"response": "x", "label": "1", "fn": fn})
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["message"].startswith(f"fn: reward function {fn!r} is not allowed")
+        assert err["allowed"] == sorted(ALLOWED)
+    r = post("/v1/rewards", {"items": [{"response": "x", "label": None}], "fn": "os:getcwd"})
+    assert r.status_code == 403 and r.json()["error"]["message"].startswith("items.0.fn: ")
+    meta = {"response": "x", "label": "1", "metadata": {"rm_type": f"{FORBIDDEN_MODULE}:anything"}}
+    assert post("/v1/reward", meta).status_code == 403  # a sample's rm_type is held to the same list
+    assert not (service_root / "imported.mark").exists()
+    allowed = post("/v1/reward", {"response": "abc", "label": None, "fn": f"{USER_MODULE}:async_len"})
+    assert allowed.status_code == 200 and allowed.json()["reward"] == 3.0
 
 
 async def test_retry_with_the_same_sample_id_scores_once(service: str, tmp_path: Path) -> None:

@@ -364,7 +364,24 @@ def test_5_bad_input_is_4xx(stack: Stack) -> None:
     assert post(stack.url + "/v1/engines/onload", json={"tags": ["vram"]}, headers=auth).status_code == 422
     assert httpx.get(stack.url + "/v1/rollouts/nope").status_code == 404
     r = httpx.put(stack.url + "/v1/data-source/state", json={"state": {"version": 1}}, headers=auth)
-    assert r.status_code == 409 and "malformed" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "malformed" in r.json()["error"]["message"]
+    # Issue 17: numbers out of range are refused naming the field, and nothing is changed by them.
+    state = httpx.get(stack.url + "/v1/data-source/state").json()["state"]
+    r = httpx.put(
+        stack.url + "/v1/data-source/state", json={"state": {**state, "sample_index": 2**70}}, headers=auth
+    )
+    assert r.status_code == 422 and "state.sample_index" in r.json()["error"]["message"]
+    assert httpx.get(stack.url + "/v1/data-source/state").json()["state"] == state
+    for path, body, field in [
+        ("/v1/sft-batches", {"step": 2**70}, "step"),
+        ("/v1/engines/weights-loaded", {"version": 9 * 10**29}, "version"),
+        ("/v1/rollouts", {"rollout_id": 2**64}, "rollout_id"),
+    ]:
+        r = post(stack.url + path, json=body, headers=auth)
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"invalid request: {field}: ")
+    big = b'{"rollout_id": 0, "x": "' + b"x" * (50 * 1024 * 1024) + b'"}'
+    r = post(stack.url + "/v1/rollouts", content=big, headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 413
 
 
 def test_6_eval_and_data_state(stack: Stack) -> None:
@@ -450,5 +467,21 @@ def test_8_a_preview_publishes_nothing(stack: Stack) -> None:
                 assert await r.xlen(stream) == length + 1
         finally:
             await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_9_a_rollout_made_before_a_run_is_not_the_runs(stack: Stack) -> None:
+    """Issue 17: a rollout published out of band, before a run, was handed to the run as its own.
+    After ``POST /v1/training-ready`` the run's request for that id generates it anew."""
+
+    async def main() -> None:
+        async with stack.client() as c:
+            early = await c.rollout(20)
+            assert (await c.rollout(20)).job_id == early.job_id  # a retry still gets its job
+            await c.training_ready()
+            own = await c.rollout(20)
+            assert own.job_id != early.job_id and own.batch_id != early.batch_id
+            assert own.batch_id and own.batch_id.endswith(":20:1")
 
     asyncio.run(main())

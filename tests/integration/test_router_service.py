@@ -148,6 +148,9 @@ def test_state_changing_routes_need_the_token(router: RouterProcess, logs: Path)
     assert httpx.post(f"{router.control_url}/v1/engines/e0/drain", headers=wrong).status_code == 401
     assert httpx.delete(f"{router.control_url}/v1/engines/e0").status_code == 401
     assert httpx.get(f"{router.control_url}/v1/engines").status_code == 200
+    # The data plane's status names vllm-router's private port (issue 17): behind the token too.
+    assert httpx.get(f"{router.control_url}/v1/data-plane").status_code == 401
+    assert httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).status_code == 200
     assert (
         httpx.post(
             f"{router.control_url}/v1/engines", json={"url": "ftp://x"}, headers=router.headers()
@@ -315,5 +318,6 @@ def test_an_engine_that_does_not_answer_is_refused_naming_the_url(router: Router
     assert r.status_code == 422 and "url: http://127.0.0.1" in r.json()["error"]["message"]
     assert "ghost" not in router.engines()
     assert (
-        f"http://127.0.0.1:{ghost}" not in httpx.get(f"{router.control_url}/v1/data-plane").json()["workers"]
+        f"http://127.0.0.1:{ghost}"
+        not in httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).json()["workers"]
     )

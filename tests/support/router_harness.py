@@ -107,7 +107,8 @@ class RouterProcess:
 def start_router(
     log_dir: Path, *, token: str | None = None, overrides: Sequence[str] = (), timeout_s: float = 60.0
 ) -> RouterProcess:
-    """Start the router service on free ports and wait until both planes are up."""
+    """Start the router service on free ports and wait until both planes are up; with no ``token``
+    it is started ``--insecure`` (every route open), as it refuses to start otherwise."""
     control, data = procs.free_port(), procs.free_port()
     argv = procs.python_module(
         "vime_router",
@@ -120,6 +121,7 @@ def start_router(
         "--log-dir",
         str(log_dir / "router-children"),
         *[arg for o in overrides for arg in ("--set", o)],
+        *([] if token else ["--insecure"]),
     )
     env = {"VIME_API_TOKEN": token} if token else None
     child = procs.start("router", argv, log_path=log_dir / "router.log", env=env)

@@ -3,15 +3,20 @@ configs: the seed scenario's numbers, the CPU default's shape, the default choic
 
 from __future__ import annotations
 
+import io
 import socket
+import stat
 from pathlib import Path
 
 import pytest
 import yaml
+from rich.console import Console
 
+from vime import cli
 from vime.config import load_config
 from vime.launch.defaults import EXAMPLES_DIR, default_config_name
 from vime.launch.stack import busy_ports, config_document, latest_config, plan_stack, write_config
+from vime.launch.up import print_banner
 
 
 def _cfg(tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
@@ -78,6 +83,54 @@ def test_written_config_loads_back_to_the_same_config_without_the_token(tmp_path
     assert back.model_dump() == expected
     assert back.run_id == plan.run_id and back.services.redis_url == plan.cfg.services.redis_url
     assert config_document(back) == doc
+
+
+def _banner(plan: object) -> str:
+    buf = io.StringIO()
+    print_banner(plan, Console(file=buf, width=400))  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def test_a_stack_with_no_token_gets_one_generated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: no stack comes up open. The token is new per stack, reaches the children (the plan's
+    config, which the supervisor exports as VIME_API_TOKEN), is printed once and kept 0600 beside the
+    resolved config, never in it; `vime status` / `vime rollout` find it there."""
+    monkeypatch.delenv("VIME_API_TOKEN", raising=False)
+    plan = plan_stack(_cfg(tmp_path, "run_id=one"))
+    token = plan.cfg.services.token()
+    assert plan.token_generated and token is not None and len(token) >= 32
+    assert plan_stack(_cfg(tmp_path, "run_id=two")).cfg.services.token() != token
+    config_path = write_config(plan)
+    token_file = plan.run_dir / "api_token"
+    assert token_file.read_text().strip() == token
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert token not in config_path.read_text()
+    assert _banner(plan).count(token) == 1
+    assert cli._client_config(config_path, None).services.token() == token
+    assert (
+        cli._client_config(None, [f"output_dir={tmp_path / 'runs'}"]).services.token() == token
+    )  # runs/latest
+    monkeypatch.setenv("VIME_API_TOKEN", "mine")  # a token given to the client wins over the file
+    assert cli._client_config(config_path, None).services.token() == "mine"
+
+
+def test_a_configured_token_or_insecure_generates_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VIME_API_TOKEN", raising=False)
+    given = plan_stack(_cfg(tmp_path, "run_id=given", "services.api_token=s3cret"))
+    assert not given.token_generated and given.cfg.services.token() == "s3cret"
+    write_config(given)
+    assert not (given.run_dir / "api_token").exists() and "s3cret" not in _banner(given)
+    monkeypatch.setenv("VIME_API_TOKEN", "from-env")
+    assert plan_stack(_cfg(tmp_path, "run_id=env")).cfg.services.token() == "from-env"
+    monkeypatch.delenv("VIME_API_TOKEN")
+    open_plan = plan_stack(cli._launch_config(EXAMPLES_DIR / "cpu.yaml", [f"output_dir={tmp_path}"], True))
+    assert open_plan.cfg.services.insecure and open_plan.cfg.services.token() is None
+    assert not open_plan.token_generated and "insecure" in _banner(open_plan)
+    write_config(open_plan)
+    assert not (open_plan.run_dir / "api_token").exists()
+    assert load_config(open_plan.config_path).services.insecure  # the children serve open, as asked
 
 
 def test_latest_points_at_the_newest_stack(tmp_path: Path) -> None:

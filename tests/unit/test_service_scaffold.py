@@ -10,8 +10,9 @@ from fastapi import Depends
 from pydantic import BaseModel
 
 from vime.clients.base import ServiceCallError, ServiceClient, ServiceUnreachable
+from vime.config import ServicesConfig
 from vime.procs import free_port
-from vime.service import ServiceError, create_app, make_token_checker
+from vime.service import ServiceError, create_app, make_token_checker, start_token
 
 
 class Body(BaseModel):
@@ -121,6 +122,20 @@ async def test_client_retry_reaches_a_late_server() -> None:
         await c.aclose()
         server.should_exit = True
         await task
+
+
+def test_a_service_without_a_token_refuses_to_start_unless_insecure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VIME_API_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        start_token(ServicesConfig(), "reward")
+    line = str(stop.value.code)
+    assert "\n" not in line and line.startswith("vime reward: no API token")
+    assert "VIME_API_TOKEN" in line and "--insecure" in line
+    assert start_token(ServicesConfig(), "reward", insecure=True) is None
+    assert start_token(ServicesConfig(insecure=True), "reward") is None
+    assert start_token(ServicesConfig(api_token="from-config"), "reward") == "from-config"
+    monkeypatch.setenv("VIME_API_TOKEN", "from-env")
+    assert start_token(ServicesConfig(), "reward") == "from-env"
 
 
 async def test_unparseable_body_keeps_the_error_shape(client: httpx.AsyncClient) -> None:

@@ -10,7 +10,8 @@ directory) unless ``services.redis_url`` is set.
 
 The resolved config (run id and Redis URL filled in, the API token left out) is written to
 ``runs/<run_id>/config.yaml``; every child reads that file, and it is also what to pass to
-``vime status -c`` / ``vime rollout -c`` for this stack.
+``vime status -c`` / ``vime rollout -c`` for this stack. The token reaches the children in their
+environment; one generated for the stack (`vime.launch.token`) is kept beside the config.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import yaml
 
 from vime import procs
 from vime.config import RunConfig
+from vime.launch.token import stack_token, write_token
 
 LATEST = "latest"
 """``<output_dir>/latest`` links to the newest run directory (for ``vime status`` / ``vime rollout``)."""
@@ -60,6 +62,8 @@ class StackPlan:
     redis_port: int | None
     """Port of the private redis-server to start (None: ``services.redis_url`` is used)."""
     services: list[ServiceSpec]
+    token_generated: bool = False
+    """The API token was generated for this stack (printed once, kept in ``<run_dir>/api_token``)."""
 
     @property
     def redis_dir(self) -> Path:
@@ -87,7 +91,8 @@ def new_run_id(output_dir: Path) -> str:
 
 
 def plan_stack(cfg: RunConfig) -> StackPlan:
-    """Resolve run id, run directory, Redis and the service list (nothing is written or started)."""
+    """Resolve run id, run directory, Redis, the API token and the service list (nothing is written
+    or started)."""
     output_dir = Path(cfg.output_dir)
     run_id = cfg.run_id or new_run_id(output_dir)
     run_dir = output_dir / run_id
@@ -98,11 +103,13 @@ def plan_stack(cfg: RunConfig) -> StackPlan:
         services_cfg = services_cfg.model_copy(
             update={"redis_url": f"redis://{services_cfg.host}:{redis_port}/0"}
         )
+    token, generated = stack_token(cfg)
+    services_cfg = services_cfg.model_copy(update={"api_token": token})
     resolved = cfg.model_copy(update={"run_id": run_id, "services": services_cfg})
     config_path = run_dir / "config.yaml"
     log_dir = run_dir / "logs"
     specs = service_specs(resolved, config_path, log_dir)
-    return StackPlan(resolved, run_id, run_dir, config_path, log_dir, redis_port, specs)
+    return StackPlan(resolved, run_id, run_dir, config_path, log_dir, redis_port, specs, generated)
 
 
 def service_specs(cfg: RunConfig, config_path: Path, log_dir: Path) -> list[ServiceSpec]:
@@ -158,10 +165,13 @@ def config_document(cfg: RunConfig) -> dict[str, Any]:
 
 
 def write_config(plan: StackPlan) -> Path:
-    """Write the resolved config the children read, point ``<output_dir>/latest`` at this run."""
+    """Write the resolved config the children read (and a generated token beside it), point
+    ``<output_dir>/latest`` at this run."""
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     plan.config_path.write_text(yaml.safe_dump(config_document(plan.cfg), sort_keys=False))
+    if plan.token_generated and plan.cfg.services.api_token:
+        write_token(plan.run_dir, plan.cfg.services.api_token)
     latest = plan.run_dir.parent / LATEST
     tmp = latest.with_name(f".{LATEST}.{os.getpid()}")
     tmp.unlink(missing_ok=True)

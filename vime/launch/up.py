@@ -9,16 +9,24 @@ from rich.console import Console
 from vime.launch.signals import SignalLatch, latched_signals
 from vime.launch.stack import StackPlan
 from vime.launch.supervisor import StackError, StackInterrupted, Supervisor
+from vime.launch.token import TOKEN_FILE
 
 EXIT_FAILED = 1
 
 
 def print_banner(plan: StackPlan, console: Console) -> None:
-    """Where everything is, once the stack is healthy."""
+    """Where everything is, once the stack is healthy (and the token, when it was generated)."""
     s = plan.cfg.services
+    if plan.token_generated:
+        access = f"  token  {s.api_token}  (generated; kept in {plan.run_dir / TOKEN_FILE}, mode 0600)\n"
+    elif s.insecure:
+        access = "  [yellow]insecure: no API token, every route is open[/]\n"
+    else:
+        access = ""
     console.print(
         f"[bold green]stack {plan.run_id} is up[/]  router {s.url('router')}  rollout {s.url('rollout')}  "
         f"trainer {s.url('trainer')}\n"
+        f"{access}"
         f"  logs   {plan.log_dir}/\n"
         f"  config {plan.config_path}  (vime status -c {plan.config_path})",
         highlight=False,

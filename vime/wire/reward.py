@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vime.types import Sample
+from vime.wire.bounds import TokenId
 
 
 class RewardRequest(BaseModel):
@@ -24,14 +25,15 @@ class RewardRequest(BaseModel):
 
     response: str | None = None
     """The decoded response text."""
-    response_token_ids: list[int] | None = None
+    response_token_ids: list[TokenId] | None = None
     """The response token ids (for user functions that work on tokens)."""
     label: Any = Field(...)
     """What the reward function checks against (the dataset's label)."""
     prompt: str | list[dict[str, Any]] | None = None
     """The prompt text or chat messages (passed to user and remote functions)."""
     fn: str | None = None
-    """Reward function: a built-in name or package.module:function; None uses the service default."""
+    """Reward function: a built-in name, or a package.module:function the service was started with
+    (reward.allowed_functions); None uses the service default."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of the reward function (see GET /v1/reward-functions)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -127,7 +129,8 @@ class RewardFunctionList(BaseModel):
     user_functions: str = (
         "package.module:function, sync or async, called with a RewardRequest (a list of them for "
         "group batches); returns a number, a bool, or a dict with 'reward' or 'score' (and optional "
-        "'pred'); the module must be importable by the reward service"
+        "'pred'); the module must be importable by the reward service, and the function configured "
+        "at start (reward.custom_rm_path or reward.allowed_functions)"
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vime.wire.bounds import MAX_COUNT, MAX_ID, MAX_VERSION
+
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 """The seed's GPU memory types; only ``weights`` and ``kv_cache`` reach vLLM (steps 10–13)."""
 
@@ -23,13 +25,13 @@ class _Request(BaseModel):
 class RolloutRequest(_Request):
     """``POST /v1/rollouts``: generate rollout ``rollout_id`` (or evaluate at it)."""
 
-    rollout_id: int = Field(ge=0)
+    rollout_id: int = Field(ge=0, le=MAX_ID)
     """The rollout (outer step) number; it names the batch, it does not size it (seed step 14)."""
     evaluation: bool = False
     """Run the eval datasets instead (metrics only, nothing published)."""
     wait: bool = True
     """Block until done; false returns the job at once (202) to poll with GET /v1/rollouts/{job_id}."""
-    dp_size: int | None = Field(None, ge=1)
+    dp_size: int | None = Field(None, ge=1, le=MAX_COUNT)
     """The trainer's data-parallel size for the DP schedule; None uses the run config's."""
     publish: bool = True
     """False: a one-off look (``vime rollout``): the samples come back in the job, nothing goes to
@@ -57,9 +59,9 @@ class RolloutSample(BaseModel):
 class SftBatchRequest(_Request):
     """``POST /v1/sft-batches``: publish supervised warm-up step ``step`` (prompts + their labels)."""
 
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_ID)
     """The warm-up step; it picks the prompts (the same step gives the same examples)."""
-    dp_size: int | None = Field(None, ge=1)
+    dp_size: int | None = Field(None, ge=1, le=MAX_COUNT)
     """The trainer's data-parallel size for the DP split; None uses the run config's."""
 
 
@@ -222,7 +224,8 @@ class UpdatableEngines(BaseModel):
 class WeightsLoadedRequest(_Request):
     """``POST /v1/engines/weights-loaded``: the trainer pushed ``version`` to these engines."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION)
+    """Never lower than the version the engines hold (409)."""
     lease_id: str | None = None
     """The update lock's lease, released by this call."""
     engine_urls: list[str] | None = None

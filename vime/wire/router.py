@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vime.wire.bounds import MAX_COUNT
 from vime.wire.vllm import GENERATE_PATH
 
 PUBLIC_ROUTES: dict[str, frozenset[str]] = {
@@ -63,7 +64,7 @@ class EngineRegistration(BaseModel):
     """Base URL of the engine (``http://host:port``); it must answer ``GET /health`` when registered."""
     id: str | None = Field(None, pattern=ENGINE_ID_PATTERN)
     """Stable name of the engine; defaults to the URL's ``host:port``."""
-    gpu_ids: list[int] = Field(default_factory=list)
+    gpu_ids: list[int] = Field(default_factory=list, max_length=MAX_COUNT)
     """GPUs the engine runs on (informational; shown in listings)."""
 
     @field_validator("url")
@@ -74,8 +75,8 @@ class EngineRegistration(BaseModel):
     @field_validator("gpu_ids")
     @classmethod
     def _gpus(cls, value: list[int]) -> list[int]:
-        if any(g < 0 for g in value) or len(set(value)) != len(value):
-            raise ValueError("gpu_ids must be distinct non-negative integers")
+        if any(not 0 <= g < MAX_COUNT for g in value) or len(set(value)) != len(value):
+            raise ValueError(f"gpu_ids must be distinct integers in [0, {MAX_COUNT})")
         return value
 
     def engine_id(self) -> str:

@@ -17,6 +17,10 @@ STEP_PHASES = ("rollout", "offload", "train", "onload_weights", "weight_sync", "
 """The parts of T_step, in the order a step runs them (seed: 14–32, 33–36, 37–42, 43, 44–53, 54)."""
 
 
+RUN_ID_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
+"""A run id names directories (runs/<id>, <checkpoint_dir>/<id>): no separators, no leading dot."""
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -87,7 +91,7 @@ class StepRecord(BaseModel):
 class RunRequest(_Request):
     """``POST /v1/runs``: start a run; ``config`` overrides the service's run config (nested keys)."""
 
-    run_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    run_id: str | None = Field(None, min_length=1, max_length=128, pattern=RUN_ID_PATTERN)
     """Names runs/<run_id>/ and the checkpoints; None: the config's run_id or $VIME_RUN_ID
     (`RunConfig.effective_run_id`), else a timestamp."""
     config: dict[str, Any] = Field(default_factory=dict)

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from vime.config import RunConfig
-from vime.service import ServiceError, configured_token, create_app
+from vime.service import ServiceError, create_app
 from vime.wire.reward import (
     RewardBatchRequest,
     RewardBatchResult,
@@ -58,10 +58,9 @@ def function_list(default: str) -> RewardFunctionList:
     )
 
 
-def build_app(cfg: RunConfig) -> FastAPI:
-    """The reward service app for ``cfg`` (its ``reward`` section; the token from ``services``)."""
+def build_app(cfg: RunConfig, *, token: str | None) -> FastAPI:
+    """The reward service app for ``cfg`` (its ``reward`` section), guarded by ``token``."""
     rcfg = cfg.reward
-    token = configured_token(cfg.services.token())
     pool = WorkerPool(rcfg.num_workers, memory_limit_mb=rcfg.worker_memory_mb)
     remote = RemoteScorer(rcfg.remote_url, rcfg.timeout_s)
     resolver = Resolver(rcfg, pool)

@@ -2,8 +2,10 @@
 
 The function is, in order: the request's ``fn``, the batch's ``fn``, the service's
 ``custom_rm_path``, the sample's ``metadata.rm_type``, the service's ``rm_type`` (slime's order).
-Import paths are checked by importing them once in a pool worker (never in the service process);
-what the import found is remembered.
+A user function (an import path) must be one the service was configured with at start
+(`allowed_user_functions`): a request never names code to import. Allowed import paths are
+checked by importing them once in a pool worker (never in the service process); what the import
+found is remembered.
 """
 
 from __future__ import annotations
@@ -49,12 +51,20 @@ def known_names() -> list[str]:
     return sorted(BUILTINS)
 
 
+def allowed_user_functions(cfg: RewardConfig) -> frozenset[str]:
+    """The import paths requests may name: ``allowed_functions``, ``custom_rm_path``, and
+    ``rm_type`` when it is an import path."""
+    named = [*cfg.allowed_functions, cfg.custom_rm_path, cfg.rm_type]
+    return frozenset(n for n in named if n and is_import_path(n))
+
+
 class Resolver:
     """Turns requests into `Job`s, raising `ServiceError` 400/422 for what cannot be scored."""
 
     def __init__(self, cfg: RewardConfig, pool: WorkerPool) -> None:
         self.cfg = cfg
         self.pool = pool
+        self.allowed = allowed_user_functions(cfg)
         self._user: dict[str, Target] = {}
 
     @property
@@ -84,6 +94,13 @@ class Resolver:
                 "or a user function as package.module:function",
                 known=known_names(),
             )
+        if name not in self.allowed:
+            raise ServiceError(
+                403,
+                f"{where}: reward function {name!r} is not allowed: user functions are named at start "
+                "(reward.custom_rm_path, reward.allowed_functions), never by a request",
+                allowed=sorted(self.allowed),
+            )
         result = await self.pool.run({"kind": "resolve", "fn": name}, self.cfg.timeout_s)
         if result.status != "ok":
             raise ServiceError(400, f"{where}: cannot load reward function {name}: {result.error}")
@@ -96,11 +113,16 @@ class Resolver:
     ) -> Job:
         """Check ``req`` against its function; 400 for an unknown function, 422 for a bad fit.
 
-        Without ``authorized`` (the bearer token, when the service has one) a request may not name
-        an import path or a remote URL other than the configured ones: 401, before anything is loaded.
+        An import path outside the allowed ones is 403, before anything is imported. Without
+        ``authorized`` (the bearer token) a request may not name an allowed import path or a remote
+        URL other than the configured ones: 401, before anything is loaded.
         """
         name = self.choose(req, batch_fn)
-        if not authorized and is_import_path(name) and name != self.cfg.custom_rm_path:
+        if (
+            not authorized
+            and name in self.allowed
+            and name not in (self.cfg.custom_rm_path, self.cfg.rm_type)
+        ):
             raise ServiceError(401, f"{where}fn: naming a user function needs the bearer token")
         target = await self.target(name, f"{where}fn")
         spec = target.builtin

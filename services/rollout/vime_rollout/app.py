@@ -18,11 +18,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Path as PathParam
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from vime.service import ServiceError, create_app, make_token_checker
+from vime.wire.bounds import MAX_ID
 from vime.wire.rollout import (
     OFFLOAD_LEVEL,
     AdmissionResult,
@@ -52,8 +54,10 @@ from vime_rollout.manager import RolloutManager
 from vime_rollout.sft import SftLabelError
 
 REPORT_TIMEOUT_S = 2.0
-MAX_BODY_BYTES = 64 * 1024 * 1024
-"""Data-source states carry handed-back partial samples; everything else is small."""
+MAX_BODY_BYTES = 1024 * 1024
+"""Every request but a data-source state is a few fields (413 above)."""
+STATE_BODY_BYTES = 64 * 1024 * 1024
+"""A data-source state carries the handed-back partial samples (``PUT /v1/data-source/state``)."""
 
 
 def engine_info(rec: EngineRecord, reported: str | None = None) -> EngineInfo:
@@ -132,7 +136,13 @@ def build_app(
             "rollout_running": m.jobs.running.job_id if m.jobs.running else None,
         }
 
-    app = create_app("rollout", max_body_bytes=MAX_BODY_BYTES, health=health, lifespan=lifespan)
+    app = create_app(
+        "rollout",
+        max_body_bytes=MAX_BODY_BYTES,
+        body_limits={"/v1/data-source/state": STATE_BODY_BYTES},
+        health=health,
+        lifespan=lifespan,
+    )
     app.state.metrics.registry.register(EngineCollector(app))
     auth = [Depends(make_token_checker(token))]
 
@@ -316,17 +326,20 @@ def _add_control_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
 
     @app.post("/v1/training-ready", dependencies=auth)
     async def training_ready(request: Request) -> dict[str, Any]:
-        """Seed step 9: the trainer's weights are on the engines. Admission that a previous run's
-        last step left paused (it skips step 53) opens again, as the seed's recovery resume does."""
-        a = mgr(request).admission
+        """Seed step 9: the trainer's weights are on the engines. Rollouts requested before it are
+        never handed to the run; admission that a previous run's last step left paused (it skips
+        step 53) opens again, as the seed's recovery resume does."""
+        m: RolloutManager = mgr(request)
+        m.jobs.new_run()
+        a = m.admission
         a.paused = False
         return {"training_ready": True, "admission_paused": a.paused}
 
     @app.post("/v1/training-completed/{rollout_id}", response_model=TrainingCompleted, dependencies=auth)
-    async def training_completed(rollout_id: int, request: Request) -> TrainingCompleted:
+    async def training_completed(
+        request: Request, rollout_id: int = PathParam(ge=0, le=MAX_ID)
+    ) -> TrainingCompleted:
         m: RolloutManager = mgr(request)
-        if rollout_id < 0:
-            raise ServiceError(422, "rollout_id must be >= 0")
         pending = await m.sink.pending_count() if m.sink is not None else 0
         return TrainingCompleted(rollout_id=rollout_id, pending_batches=pending)
 
@@ -340,5 +353,5 @@ def _add_control_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:
         try:
             m.set_data_state(body.state)
         except DataStateError as exc:
-            raise ServiceError(409, str(exc)) from None
+            raise ServiceError(exc.status_code, str(exc)) from None
         return DataSourceState(state=m.data_state())

@@ -1,7 +1,9 @@
 """Rollout jobs: one runs at a time; a repeated request for a running or finished rollout gets the
 same job back, so a trainer that retries after a dropped connection does not generate twice. An
 unpublished rollout (a preview: ``publish=False``, a one-off look) is never such a job, nor gets one
-back.
+back, and neither is a job made before the current run said it was ready (`JobRegistry.new_run`):
+a rollout requested out of band, before a run, never stands in for that run's rollout of the same
+id (its samples came from weights the run never pushed).
 
 A job runs in its own task, independent of the HTTP request that started it: a client that
 disconnects from a blocking ``POST /v1/rollouts`` does not cancel the rollout.
@@ -33,21 +35,31 @@ class JobRegistry:
         self.jobs: OrderedDict[str, RolloutJob] = OrderedDict()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.running: RolloutJob | None = None
+        self._before_run: set[str] = set()
+        """Jobs made before the current run's `new_run`: never the answer to a later request."""
 
     def get(self, job_id: str) -> RolloutJob | None:
         return self.jobs.get(job_id)
 
     def find(self, rollout_id: int, evaluation: bool) -> RolloutJob | None:
-        """The running or finished (not failed) job of this rollout, newest first; never a preview."""
+        """The running or finished (not failed) job of this rollout made since the current run began,
+        newest first; never a preview."""
         for job in reversed(self.jobs.values()):
             if (
                 job.rollout_id == rollout_id
                 and job.evaluation == evaluation
                 and not job.preview
                 and job.state is not JobState.FAILED
+                and job.job_id not in self._before_run
             ):
                 return job
         return None
+
+    def new_run(self) -> None:
+        """A run is ready to train (``POST /v1/training-ready``): every job made so far is out of
+        band for it; finished ones are dropped, a running one finishes but is never handed out."""
+        self.forget_finished()
+        self._before_run = set(self.jobs)
 
     def submit(
         self,
@@ -77,7 +89,7 @@ class JobRegistry:
         )
         self.jobs[job.job_id] = job
         while len(self.jobs) > MAX_KEPT_JOBS:
-            self.jobs.popitem(last=False)
+            self._before_run.discard(self.jobs.popitem(last=False)[0])
         self.running = job
         self.tasks[job.job_id] = asyncio.create_task(self._run(job, run), name=f"rollout-{job.job_id}")
         return job, True
@@ -107,6 +119,7 @@ class JobRegistry:
         """Drop finished jobs (after a data-source restore the same rollout ids are generated anew)."""
         for job_id in [j for j, job in self.jobs.items() if job.state is not JobState.RUNNING]:
             del self.jobs[job_id]
+            self._before_run.discard(job_id)
 
     async def cancel_all(self) -> None:
         tasks = list(self.tasks.values())

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
-from vime.service import configured_token, serve
-from vime.service_cli import ConfigOpt, HostOpt, SetOpt, load_or_exit, run_command, setup_logging
+from vime.service import serve, start_token
+from vime.service_cli import ConfigOpt, HostOpt, InsecureOpt, SetOpt, load_or_exit, run_command, setup_logging
 
 
 def main(
@@ -34,6 +34,7 @@ def main(
     log_level: Annotated[
         str, typer.Option(help="Lifecycle at info; ejections and failures at warning.")
     ] = "info",
+    insecure: InsecureOpt = False,
 ) -> None:
     """vime router: the engines behind one generate API, control routes never forwarded."""
     cfg = load_or_exit(config, set_)
@@ -43,6 +44,7 @@ def main(
     from vime_router.service import RouterService
 
     services = cfg.services
+    token = start_token(services, "router", insecure=insecure)
     host = host or services.host
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="vime-router-"))
     spec = DataPlaneSpec(
@@ -57,7 +59,7 @@ def main(
         control_port,
         log_dir,
     )
-    serve(build_app(RouterService(cfg.router, spec), configured_token(services.token())), host, control_port)
+    serve(build_app(RouterService(cfg.router, spec), token), host, control_port)
 
 
 if __name__ == "__main__":

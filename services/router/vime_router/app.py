@@ -9,7 +9,7 @@ Routes (state-changing ones need the services' bearer token):
 - ``GET /v1/engines/{id}`` → one engine, its in-flight count read now
 - ``DELETE /v1/engines/{id}`` → out of the data plane at once; in-flight requests finish
 - ``POST /v1/engines/{id}/drain`` / ``/undrain`` → no new requests / serving again
-- ``GET /v1/data-plane``, ``GET /health``, ``GET /metrics``
+- ``GET /v1/data-plane`` (token: it names vllm-router's private port) ``GET /health``, ``GET /metrics``
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def build_app(service: RouterService, token: str | None) -> FastAPI:
     async def undrain(engine_id: str) -> Any:
         return await service.set_draining(engine_id, False)
 
-    @app.get("/v1/data-plane", response_model=DataPlaneStatus)
+    @app.get("/v1/data-plane", response_model=DataPlaneStatus, dependencies=auth)
     async def data_plane() -> Any:
         return service.data_plane_status()
 

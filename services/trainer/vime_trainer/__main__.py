@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from vime.config import RunConfig, load_config
-from vime.service import configured_token, serve
-from vime.service_cli import ConfigOpt, HostOpt, SetOpt, load_or_exit, run_command, setup_logging
+from vime.service import serve, start_token
+from vime.service_cli import ConfigOpt, HostOpt, InsecureOpt, SetOpt, load_or_exit, run_command, setup_logging
 from vime_trainer.ray_exit import keep_signal_handlers, shutdown_ray
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ def main(
         typer.Option(help="run: the run id (default: the config's or $VIME_RUN_ID, else a timestamp)."),
     ] = None,
     log_level: Annotated[str, typer.Option(help="Python log level.")] = "info",
+    insecure: InsecureOpt = False,
 ) -> None:
     """vime trainer: the run controller (seed steps 1–55) and the Megatron ranks."""
     keep_signal_handlers()
@@ -86,11 +87,12 @@ def main(
 
     if command is Command.RUN:
         raise typer.Exit(asyncio.run(run_once(load, run_id)))
+    token = start_token(cfg.services, "trainer", insecure=insecure)
     from vime_trainer.app import build_app
     from vime_trainer.runs import RunRegistry
 
     registry = RunRegistry(load, backend_factory)  # type: ignore[arg-type]
-    app = build_app(registry, token=configured_token(cfg.services.token()), on_shutdown=shutdown_ray)
+    app = build_app(registry, token=token, on_shutdown=shutdown_ray)
     serve(app, host or cfg.services.host, port or cfg.services.trainer_port)
 
 

@@ -1,8 +1,10 @@
 """The trainer service's REST API: runs, their status and events, weight pushes, checkpoints.
 
 State-changing routes need the bearer token. Errors are answers: a second active run is 409, an
-unknown run 404, a bad config 422 naming what to change, a push or checkpoint with no active run
-409, a push or checkpoint the run could not serve 502 with the cause.
+unknown run 404, a bad config or a field the run does not apply 422 naming it, a push or
+checkpoint with no active run, or while the run starts up or stops (it would wait minutes, or
+never be served), 409 at once, one the run ended before serving 409, one it could not serve 502
+with the cause.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fastapi import Depends, FastAPI, Query, Request, Response
 from prometheus_client import Gauge
 
 from vime.service import ServiceError, create_app, make_token_checker
+from vime.wire.bounds import MAX_ID
 from vime.wire.trainer import (
     STEP_PHASES,
     Accepted,
@@ -25,11 +28,14 @@ from vime.wire.trainer import (
     PushResult,
     RunEvents,
     RunList,
+    RunPhase,
     RunRequest,
+    RunState,
     RunStatus,
     StepRecord,
 )
-from vime_trainer.runs import RunRegistry
+from vime_trainer.runs import RunHandle, RunRegistry
+from vime_trainer.state import RunEnded
 
 MAX_BODY_BYTES = 1024 * 1024
 """A run request is a config override: small."""
@@ -56,6 +62,7 @@ def build_app(registry: RunRegistry, *, token: str | None, on_shutdown: Any = No
         }
 
     app = create_app("trainer", max_body_bytes=MAX_BODY_BYTES, health=health, lifespan=lifespan)
+    app.state.registry = registry
     auth = [Depends(make_token_checker(token))]
     registry.on_step = _step_gauges(app)
     _add_run_routes(app, registry, auth)
@@ -103,7 +110,7 @@ def _add_run_routes(app: FastAPI, registry: RunRegistry, auth: list[Any]) -> Non
         return registry.get(run_id).ctx.status
 
     @app.get("/v1/runs/{run_id}/events", response_model=RunEvents)
-    async def get_events(run_id: str, since: int = Query(0, ge=0)) -> RunEvents:
+    async def get_events(run_id: str, since: int = Query(0, ge=0, le=MAX_ID)) -> RunEvents:
         handle = registry.get(run_id)
         return RunEvents(run_id=run_id, events=handle.ctx.events.since(since))
 
@@ -121,7 +128,7 @@ def _add_request_routes(app: FastAPI, registry: RunRegistry, auth: list[Any]) ->
     async def push(
         request: Request, response: Response, body: PushRequest | None = None
     ) -> PushResult | Accepted:
-        handle = registry.require_active()
+        handle = _servable(registry.require_active(), "weight push")
         fut = handle.ctx.request_push()
         return await _served(fut, body, response, handle.ctx.run_id, "weights.push", "weight push")
 
@@ -129,9 +136,29 @@ def _add_request_routes(app: FastAPI, registry: RunRegistry, auth: list[Any]) ->
     async def checkpoint(
         response: Response, body: CheckpointRequest | None = None
     ) -> CheckpointResult | Accepted:
-        handle = registry.require_active()
+        handle = _servable(registry.require_active(), "checkpoint")
         fut = handle.ctx.request_checkpoint()
         return await _served(fut, body, response, handle.ctx.run_id, "checkpoint", "checkpoint")
+
+
+def _servable(handle: RunHandle, what: str) -> RunHandle:
+    """409 when the run will not serve a push or checkpoint soon: it is stopping (it may never
+    get to one; the stop checkpoints the last step itself) or still starting up (the first one
+    comes after start-up, the warm-up and the first push, which can take minutes)."""
+    status = handle.ctx.status
+    if status.state is RunState.STOPPING:
+        raise ServiceError(
+            409,
+            f"run {status.run_id} is stopping: no {what} now (the stop checkpoints its last step; "
+            f"GET /v1/runs/{status.run_id} shows it)",
+        )
+    if status.phase in (RunPhase.STARTING, RunPhase.WARMUP):
+        raise ServiceError(
+            409,
+            f"run {status.run_id} is starting up (phase {status.phase.value}): a {what} is served "
+            "between steps; ask again once its first rollout has begun",
+        )
+    return handle
 
 
 async def _served(
@@ -149,5 +176,7 @@ async def _served(
         return Accepted(run_id=run_id, accepted=action)
     try:
         return await asyncio.shield(fut)
+    except RunEnded as exc:
+        raise ServiceError(409, f"{what} not done: {exc}") from None
     except RuntimeError as exc:
         raise ServiceError(502, f"{what} not done: {exc}") from None

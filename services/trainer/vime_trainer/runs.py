@@ -2,8 +2,9 @@
 
 A run is active from ``POST /v1/runs`` until its task has fully ended — ranks shut down, report
 drawn — so a second run can never find the first one's ranks still holding the GPUs. Its config
-is the service's config with the request's fields on top; its checkpoints go to
-``<trainer.checkpoint_dir>/<run_id>`` so a run id resumes its own checkpoints.
+is the service's config with the request's fields on top (only those the run applies,
+`run_overrides`); its checkpoints go to ``<trainer.checkpoint_dir>/<run_id>`` so a run id resumes
+its own checkpoints.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vime_trainer.events import EventLog
 from vime_trainer.ops import Backend, RunOps
 from vime_trainer.record import RunRecord
 from vime_trainer.report import draw_report, summarize, warmup_summary
+from vime_trainer.run_overrides import check_overrides
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync, make_transport
 
@@ -48,6 +50,7 @@ def override_pairs(config: dict[str, Any], prefix: str = "") -> Iterator[str]:
 def run_config(load: ConfigLoader, request: RunRequest) -> RunConfig:
     """The service config + the request's fields; run id and per-run checkpoint directory set."""
     try:
+        check_overrides(request.config, load([]))
         cfg = load(list(override_pairs(request.config)))
     except ConfigError as exc:
         raise ServiceError(422, str(exc)) from None

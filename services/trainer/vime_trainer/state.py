@@ -27,6 +27,10 @@ from vime.wire.trainer import (
 from vime_trainer.events import EventLog
 
 
+class RunEnded(RuntimeError):
+    """The run ended before it served a push or checkpoint request."""
+
+
 class RunContext:
     """One run's live state."""
 
@@ -88,7 +92,7 @@ class RunContext:
         pending: list[asyncio.Future[Any]] = [*self.push_requests, *self.checkpoint_requests]
         for fut in pending:
             if not fut.done():
-                fut.set_exception(RuntimeError(f"the run ended before serving the request: {reason}"))
+                fut.set_exception(RunEnded(f"the run ended before serving the request: {reason}"))
         self.push_requests.clear()
         self.checkpoint_requests.clear()
 

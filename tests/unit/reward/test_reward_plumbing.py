@@ -14,7 +14,7 @@ from vime_reward.functions import BUILTINS
 from vime_reward.functions.base import Outcome, as_outcome, utf8_safe
 from vime_reward.functions.remote import RemoteFailed, RemoteTimeout, _reply_outcome
 from vime_reward.functions.user import describe, is_import_path, load
-from vime_reward.pool import WorkerPool
+from vime_reward.pool import TaskResult, WorkerPool
 from vime_reward.resolve import Resolver
 from vime_reward.worker import run_task
 
@@ -226,14 +226,44 @@ async def test_resolver_refuses_what_cannot_be_scored(resolver: Resolver) -> Non
     assert code == 422 and "options.nope" in msg
     code, msg = await status(fn="arithmetic", label="twelve")
     assert code == 422 and "integer label" in msg
-    code, _ = await status(fn="pkg.mod:fn")
-    assert code == 401
+    code, msg = await status(fn="pkg.mod:fn")
+    assert code == 403 and msg.startswith("fn: reward function 'pkg.mod:fn' is not allowed")
     code, _ = await status(fn="remote", options={"url": "http://elsewhere:1/x"})
     assert code == 401
     tokens_only = RewardRequest(response_token_ids=[1, 2], label="1", fn="math")
     with pytest.raises(ServiceError) as err:
         await resolver.job(tokens_only, authorized=True)
     assert err.value.status_code == 422 and "response text" in err.value.message
+
+
+class RecordingPool:
+    """Stands in for the worker pool: records every task (a user function is imported by one)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[dict[str, object]] = []
+
+    async def run(self, task: dict[str, object], timeout_s: float) -> TaskResult:
+        self.tasks.append(task)
+        return TaskResult("ok", {"value": {"is_async": False}}, None, 0.0)
+
+
+async def test_only_functions_configured_at_start_are_imported() -> None:
+    cfg = RewardConfig(rm_type="pkg.default:score", custom_rm_path=None, allowed_functions=["pkg.extra:fn"])
+    pool = RecordingPool()
+    resolver = Resolver(cfg, pool)  # type: ignore[arg-type]
+    assert resolver.allowed == {"pkg.default:score", "pkg.extra:fn"}
+    for fn in ("os:getcwd", "pkg.extra:other", "builtins:eval"):
+        with pytest.raises(ServiceError) as err:
+            await resolver.job(RewardRequest(response="x", label="1", fn=fn), authorized=True)
+        assert err.value.status_code == 403 and err.value.message.startswith(f"fn: reward function {fn!r}")
+        assert err.value.details["allowed"] == ["pkg.default:score", "pkg.extra:fn"]
+    assert pool.tasks == []  # nothing refused reached a worker, so nothing was imported
+    await resolver.job(RewardRequest(response="x", label="1", fn="pkg.extra:fn"), authorized=True)
+    await resolver.job(RewardRequest(response="x", label="1"), authorized=False)  # the configured default
+    assert [t["fn"] for t in pool.tasks] == ["pkg.extra:fn", "pkg.default:score"]
+    with pytest.raises(ServiceError) as err:  # an allowed one that is not the default needs the token
+        await resolver.job(RewardRequest(response="x", label="1", fn="pkg.extra:fn"), authorized=False)
+    assert err.value.status_code == 401
 
 
 def test_utf8_safe_replaces_lone_surrogates_only() -> None:

@@ -5,6 +5,7 @@ repeated here."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from rollout_fakes import FakeGenerator, FakeScorer, StubControl, StubWorld
 from vime_rollout.app import build_app
+from vime_rollout.batch_builder import BatchSink
 from vime_rollout.data import DataSource, build_dataset
 from vime_rollout.data.synthetic import arithmetic_records
 from vime_rollout.engines.commands import EngineCommand
@@ -121,6 +123,43 @@ def test_bad_bodies_are_422_naming_the_field(client: Any) -> None:
     assert bad_json.status_code == 422
 
 
+def test_every_integer_is_bounded_naming_the_field(client: Any) -> None:
+    """Issue 17: ``{"step": 2**70}`` was a plain-text 500 and a weight version of 9 × 10^29 was
+    taken; every number now has a range and a number outside it is a 422 naming its field."""
+    c, _, _ = client
+    cases = [
+        ("/v1/rollouts", {"rollout_id": 2**53}, "rollout_id"),
+        ("/v1/rollouts", {"rollout_id": 0, "dp_size": 2**70}, "dp_size"),
+        ("/v1/sft-batches", {"step": 2**70}, "step"),
+        ("/v1/sft-batches", {"step": 0, "dp_size": 2**40}, "dp_size"),
+        ("/v1/engines/weights-loaded", {"version": 9 * 10**29}, "version"),
+        ("/v1/engines/weights-loaded", {"version": 2**31}, "version"),
+    ]
+    for path, body, field in cases:
+        r = c.post(path, json=body, headers=AUTH)
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith(
+            f"invalid request: {field}:"
+        ), (
+            path,
+            r.text,
+        )
+    assert "rollout_id" in _error(c.post(f"/v1/training-completed/{2**70}", headers=AUTH), 422)
+    assert "rollout_id" in _error(c.post("/v1/training-completed/-1", headers=AUTH), 422)
+    assert c.get("/v1/engines").json()["weight_version"] == 0  # nothing was taken
+
+
+def test_bodies_are_limited_like_every_service(client: Any) -> None:
+    """Issue 17: a 50 MB body was read and parsed; now 413 above 1 MiB (64 MiB for a data-source
+    state, which carries handed-back samples)."""
+    c, _, _ = client
+    big = b'{"rollout_id": 0, "pad": "' + b"x" * (2 * 1024 * 1024) + b'"}'
+    r = c.post("/v1/rollouts", content=big, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and "larger than 1048576 bytes" in r.json()["error"]["message"]
+    state = {"state": {**c.get("/v1/data-source/state").json()["state"], "pad": "x" * (2 * 1024 * 1024)}}
+    r = c.put("/v1/data-source/state", json=state, headers=AUTH)
+    assert r.status_code == 200, r.text[:200]
+
+
 def test_unknown_job_is_404(client: Any) -> None:
     c, _, _ = client
     assert "no rollout job" in _error(c.get("/v1/rollouts/abc"), 404)
@@ -208,7 +247,11 @@ def test_weight_bookkeeping_routes(client: Any) -> None:
     r = c.post("/v1/engines/weights-loaded", json={"version": 1, "lease_id": lock["lease_id"]}, headers=AUTH)
     assert r.status_code == 200 and r.json()["weight_version"] == 1 and not r.json()["update_lock_held"]
     assert {e["weight_version"] for e in r.json()["engines"]} == {1}
-    assert "older" in _error(c.post("/v1/engines/weights-loaded", json={"version": 0}, headers=AUTH), 409)
+    # Versions only go up: one lower than the engines hold is refused and changes nothing.
+    c.post("/v1/engines/weights-loaded", json={"version": 3}, headers=AUTH)
+    msg = _error(c.post("/v1/engines/weights-loaded", json={"version": 2}, headers=AUTH), 409)
+    assert msg == "version 2 is older than the engines' 3"
+    assert c.get("/v1/engines").json()["weight_version"] == 3
 
 
 def test_data_state_round_trip_and_mismatch(client: Any) -> None:
@@ -223,8 +266,15 @@ def test_data_state_round_trip_and_mismatch(client: Any) -> None:
         c.put("/v1/data-source/state", json={"state": state}, headers=AUTH), 409
     )
     assert "malformed" in _error(
-        c.put("/v1/data-source/state", json={"state": {"version": 1}}, headers=AUTH), 409
+        c.put("/v1/data-source/state", json={"state": {"version": 1}}, headers=AUTH), 422
     )
+    # Issue 17: a huge sample_index used to be taken, and every later rollout then 502'd.
+    state["dataset_size"] = 20
+    msg = _error(
+        c.put("/v1/data-source/state", json={"state": {**state, "sample_index": 2**70}}, headers=AUTH), 422
+    )
+    assert "state.sample_index" in msg
+    assert c.get("/v1/data-source/state").json()["state"]["offset"] == 7  # unchanged
 
 
 def test_sft_batches_need_the_token_labels_that_are_text_and_redis(client: Any, tokenizer: Any) -> None:
@@ -277,6 +327,27 @@ def test_a_preview_returns_its_samples_and_leaves_no_trace(client: Any, tokenize
     assert c.post("/v1/admission/resume", json={"was_paused": False}, headers=AUTH).status_code == 200
     # The training rollout of the same id is its own job: here it fails to publish (no Redis).
     assert "no Redis" in _error(c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH), 502)
+
+
+def test_a_rollout_made_before_a_run_is_never_that_runs_rollout(client: Any, redis_url: str) -> None:
+    """Issue 17: ``POST /v1/rollouts {rollout_id: 0}`` before a run was handed to the run as its
+    rollout 0 (samples of the weights before its first push). A run begins with
+    ``POST /v1/training-ready``; from then on only jobs made since answer for a rollout id, so the
+    run generates rollout 0 itself. A retry within the run still gets its job back."""
+    c, _, gen = client
+    m = c.app.state.manager
+    m.run_id = f"unit-oob-{uuid.uuid4().hex[:8]}"
+    m.sink = BatchSink(redis_url, m.run_id)
+    early = c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH).json()
+    assert early["state"] == "done" and early["batch_id"].endswith(":0:0")
+    assert c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH).json()["job_id"] == early["job_id"]
+    calls = len(gen.requests)
+    assert c.post("/v1/training-ready", headers=AUTH).status_code == 200
+    own = c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH).json()
+    assert own["job_id"] != early["job_id"] and own["batch_id"].endswith(":0:1") and len(gen.requests) > calls
+    retry = c.post("/v1/rollouts", json={"rollout_id": 0}, headers=AUTH).json()
+    assert retry["job_id"] == own["job_id"]  # a retry within the run is still answered, not regenerated
+    assert c.get(f"/v1/rollouts/{early['job_id']}").status_code == 404  # the out-of-band job is gone
 
 
 def _wait_done(c: Any, job_id: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from vime_rollout.data import (
     DatasetError,
     DataSource,
     DataStateError,
+    MalformedDataState,
     build_dataset,
     read_records,
 )
@@ -147,6 +148,43 @@ def test_restore_refuses_a_state_of_another_dataset(tokenizer: Any) -> None:
         src.load_state_dict({"version": 1, "dataset_size": 7, "n_samples_per_prompt": 2})
     with pytest.raises(ValueError, match="3 samples, not 2"):
         src.add_samples([src.get_samples(1)[0] + src.get_samples(1)[0][:1]])
+
+
+def test_restore_refuses_numbers_out_of_range_naming_the_field(tokenizer: Any) -> None:
+    """Issue 17: a huge ``sample_index`` was taken, and every later batch failed with OverflowError
+    (int64 indices). Each field is checked before anything changes."""
+    src = DataSource(_dataset(tokenizer, list(arithmetic_records(7, seed=3))), 2)
+    src.get_samples(2)
+    aborted = src.get_samples(1)[0]
+    for s in aborted:
+        s.append_response_tokens([5, 6])
+    src.add_samples([aborted])
+    good = json.loads(json.dumps(src.state_dict()))
+    bad_cases = {
+        "state.sample_index": {"sample_index": 2**70},
+        "state.sample_group_index": {"sample_group_index": -1},
+        "state.epoch": {"epoch": 1e300},
+        "state.offset": {"offset": 8},
+        "state.seed": {"seed": "x"},
+        "state.buffer.0.1.tokens": {
+            "buffer": [[good["buffer"][0][0], {**good["buffer"][0][1], "tokens": [2**40]}]]
+        },
+        "state.buffer.0.0.index": {
+            "buffer": [[{**good["buffer"][0][0], "index": 2**60}, good["buffer"][0][1]]]
+        },
+        "state.buffer.0.0: loss_mask": {
+            "buffer": [[{**good["buffer"][0][0], "loss_mask": []}, good["buffer"][0][1]]]
+        },
+    }
+    restored = DataSource(_dataset(tokenizer, list(arithmetic_records(7, seed=3))), 2)
+    before = restored.state_dict()
+    for field, change in bad_cases.items():
+        with pytest.raises(MalformedDataState) as err:
+            restored.load_state_dict({**good, **change})
+        assert field in str(err.value) and err.value.status_code == 422, (field, str(err.value))
+        assert restored.state_dict() == before  # nothing was half-restored
+    restored.load_state_dict(good)
+    assert restored.state_dict() == good
 
 
 def test_synthetic_task_is_deterministic_and_labelled() -> None:

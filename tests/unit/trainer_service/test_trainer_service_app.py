@@ -7,18 +7,23 @@ active; the app's shutdown cancels it and its trainer backend is shut down.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import Response
 from fastapi.testclient import TestClient
 from trainer_fakes import FakeBackend
-from vime_trainer.app import build_app
+from vime_trainer.app import _served, build_app
 from vime_trainer.runs import RunRegistry
+from vime_trainer.state import RunEnded
 
 from vime import procs
 from vime.config import load_config
+from vime.service import ServiceError
+from vime.wire.trainer import RunPhase
 
 TOKEN = "unit-trainer-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -55,12 +60,13 @@ def test_runs_need_the_token_and_a_valid_config(app_client: Any) -> None:
     assert client.post("/v1/runs", json={}).status_code == 401
     r = client.post("/v1/runs", json={"config": {"rollout_batch_size": 0}}, headers=AUTH)
     assert r.status_code == 422 and "rollout_batch_size" in r.json()["error"]["message"]
-    r = client.post("/v1/runs", json={"config": {"micro_batch_size": 5}}, headers=AUTH)
-    assert r.status_code == 422 and "global_batch_size" in r.json()["error"]["message"]
+    r = client.post("/v1/runs", json={"config": {"tensor_model_parallel_size": 2}}, headers=AUTH)
+    assert r.status_code == 422 and "does not divide the 1 training ranks" in r.json()["error"]["message"]
     r = client.post("/v1/runs", json={"config": {"no_such_field": 1}}, headers=AUTH)
     assert r.status_code == 422 and "no_such_field" in r.json()["error"]["message"]
-    r = client.post("/v1/runs", json={"run_id": "../x"}, headers=AUTH)
-    assert r.status_code == 422 and "run_id" in r.json()["error"]["message"]
+    for bad in ("../x", "..", "."):
+        r = client.post("/v1/runs", json={"run_id": bad}, headers=AUTH)
+        assert r.status_code == 422 and "run_id" in r.json()["error"]["message"]
     r = client.post("/v1/runs", json={"confg": {}}, headers=AUTH)
     assert r.status_code == 422 and "confg" in r.json()["error"]["message"]
 
@@ -85,12 +91,80 @@ def test_one_active_run_its_status_events_and_stop(app_client: Any) -> None:
     assert client.get("/health").json()["active_run"] == "a"
     events = client.get("/v1/runs/a/events").json()["events"]
     assert events and events[0]["action"] == "run.start" and events[0]["detail"]["num_rollout"] == 3
+    assert client.post("/v1/weights/push", json={"wait": "x"}, headers=AUTH).status_code == 422
     assert client.post("/v1/runs/a/stop").status_code == 401
     stopped = client.post("/v1/runs/a/stop", headers=AUTH)
     assert stopped.status_code == 202 and stopped.json()["state"] == "stopping"
-    accepted = client.post("/v1/weights/push", json={"wait": False}, headers=AUTH)
-    assert accepted.status_code == 202 and accepted.json() == {"run_id": "a", "accepted": "weights.push"}
-    assert client.post("/v1/weights/push", json={"wait": "x"}, headers=AUTH).status_code == 422
+
+
+def test_a_run_may_change_only_what_it_applies(app_client: Any, tmp_path: Path) -> None:
+    """Issue 17: ``/v1/runs`` took rollout-side fields the rollout manager never applies (so the
+    trainer's config no longer described its batches) and output paths anywhere on disk. Those are
+    refused, 422 naming each field; the run's own fields still go through."""
+    client, backends = app_client
+    for config, named in [
+        ({"n_samples_per_prompt": 4}, ["n_samples_per_prompt"]),
+        ({"rollout_batch_size": 4, "micro_batch_size": 2}, ["micro_batch_size", "rollout_batch_size"]),
+        (
+            {"reward": {"rm_type": "f1"}, "data": {"prompt_data": "x.jsonl"}},
+            ["data.prompt_data", "reward.rm_type"],
+        ),
+        ({"services": {"redis_url": "redis://elsewhere:6379/0"}}, ["services.redis_url"]),
+        ({"trainer": {"weight_dir": str(tmp_path)}}, ["trainer.weight_dir"]),
+    ]:
+        r = client.post("/v1/runs", json={"config": config}, headers=AUTH)
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["fields"] == named and err["message"].startswith(
+            f"config: {', '.join(named)} cannot change"
+        )
+    outside = [
+        ({"output_dir": "/etc"}, "config.output_dir"),
+        ({"output_dir": str(tmp_path / "runs" / ".." / "elsewhere")}, "config.output_dir"),
+        ({"trainer": {"checkpoint_dir": str(tmp_path)}}, "config.trainer.checkpoint_dir"),
+        ({"start_rollout_id": 2**60}, "config.start_rollout_id"),
+        ({"run_id": ".."}, "config.run_id"),  # it names <checkpoint_dir>/<run_id>
+    ]
+    for config, field in outside:
+        r = client.post("/v1/runs", json={"config": config}, headers=AUTH)
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"{field}: "), r.text
+    assert backends == []  # nothing refused got as far as building a trainer
+    inside = {"output_dir": str(tmp_path / "runs" / "mine"), "num_rollout": 2, "trainer": {"lr": 1e-4}}
+    r = client.post("/v1/runs", json={"run_id": "ok", "config": inside}, headers=AUTH)
+    assert r.status_code == 201, r.text
+
+
+def test_push_and_checkpoint_answer_at_once_when_the_run_cannot_serve_them(app_client: Any) -> None:
+    """Issue 17: a push during start-up blocked for more than 30 s, a checkpoint racing a stop got
+    a 502. While the run starts up or stops, both are a 409 saying why, at once (waiting or not)."""
+    client, _ = app_client
+    assert client.post("/v1/runs", json={"run_id": "w"}, headers=AUTH).status_code == 201  # stays starting
+    for path in ("/v1/weights/push", "/v1/checkpoints"):
+        for body in ({}, {"wait": False}):
+            r = client.post(path, json=body, headers=AUTH)
+            assert r.status_code == 409 and "is starting up (phase starting)" in r.json()["error"]["message"]
+    registry = client.app.state.registry  # type: ignore[attr-defined]
+    registry.active.ctx.set_phase(RunPhase.ROLLOUT)  # as if start-up were done
+    registry.active.ctx.request_stop()
+    for path in ("/v1/weights/push", "/v1/checkpoints"):
+        r = client.post(path, json={}, headers=AUTH)
+        assert r.status_code == 409 and "run w is stopping" in r.json()["error"]["message"], r.text
+
+
+async def test_a_request_the_run_ended_before_serving_is_409_not_502() -> None:
+    """The race of issue 17: a checkpoint asked for just before the run ended. The run's last
+    checkpoint is its own answer; the request is a 409 saying it ended, not a gateway error."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[Any] = loop.create_future()
+    ended.set_exception(RunEnded("the run ended before serving the request: run stopped"))
+    with pytest.raises(ServiceError) as err:
+        await _served(ended, None, Response(), "r", "checkpoint", "checkpoint")
+    assert err.value.status_code == 409 and "run ended before serving" in err.value.message
+    failed: asyncio.Future[Any] = loop.create_future()
+    failed.set_exception(RuntimeError("no live engine to push to"))
+    with pytest.raises(ServiceError) as err:
+        await _served(failed, None, Response(), "r", "weights.push", "weight push")
+    assert err.value.status_code == 502
 
 
 def test_stop_while_waiting_for_the_rollout_manager_ends_the_run(app_client: Any) -> None:

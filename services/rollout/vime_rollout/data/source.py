@@ -5,7 +5,8 @@ Each prompt becomes ``n_samples_per_prompt`` independent deep copies numbered wi
 a ``session_id`` routing key per sample (step 17). Aborted groups handed back (partial rollout)
 are served first next time. The position (epoch, offset, counters, that buffer) is a plain JSON
 dict, saved with the run's checkpoints and restored on resume, so a resumed run continues with
-the prompts it had not seen yet.
+the prompts it had not seen yet. A state to restore is checked whole (`SavedPosition`, every
+number in range) before any of it is used, so a bad one cannot break a later rollout.
 """
 
 from __future__ import annotations
@@ -13,14 +14,55 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from pydantic import BaseModel, Field, ValidationError
+
 from vime.types import Sample
+from vime.wire.bounds import MAX_ID, MAX_TOKEN_ID, Id
 from vime_rollout.data.dataset import PromptDataset, PromptTemplate
 
 STATE_VERSION = 1
 
 
 class DataStateError(ValueError):
-    """A saved data-source state that does not fit this data source."""
+    """A saved data-source state that does not fit this data source (409)."""
+
+    status_code = 409
+
+
+class MalformedDataState(DataStateError):
+    """A data-source state with a missing, mistyped or out-of-range field (422, the field named)."""
+
+    status_code = 422
+
+
+class SavedPosition(BaseModel):
+    """The fields of a saved position that a restore reads, each in range."""
+
+    dataset_size: int
+    n_samples_per_prompt: int
+    seed: int = Field(ge=-MAX_ID, le=MAX_ID)
+    epoch: Id
+    offset: Id
+    sample_index: Id
+    sample_group_index: Id
+    buffer: list[list[Sample]]
+
+
+def _check_buffer(groups: list[list[Sample]]) -> None:
+    """Handed-back samples must be continuable: token ids and indices in range, lists consistent."""
+    for g, group in enumerate(groups):
+        for i, s in enumerate(group):
+            where = f"state.buffer.{g}.{i}"
+            if any(not 0 <= t <= MAX_TOKEN_ID for t in s.tokens):
+                raise MalformedDataState(f"{where}.tokens: token ids must be in [0, {MAX_TOKEN_ID}]")
+            for name in ("index", "group_index"):
+                value = getattr(s, name)
+                if value is not None and not 0 <= value <= MAX_ID:
+                    raise MalformedDataState(f"{where}.{name}: must be in [0, {MAX_ID}]")
+            try:
+                s.check_consistent()
+            except ValueError as exc:
+                raise MalformedDataState(f"{where}: {exc}") from None
 
 
 class DataSource:
@@ -104,33 +146,36 @@ class DataSource:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position; refuses one saved for another dataset or group size."""
+        """Continue from a saved position; refuses one saved for another dataset or group size
+        (`DataStateError`) and a malformed one (`MalformedDataState`, naming the field), changing
+        nothing in either case."""
+        if state.get("version") != STATE_VERSION:
+            raise DataStateError(f"data-source state version {state.get('version')!r} is not {STATE_VERSION}")
         try:
-            if state.get("version") != STATE_VERSION:
-                raise DataStateError(
-                    f"data-source state version {state.get('version')!r} is not {STATE_VERSION}"
-                )
-            if state["dataset_size"] != len(self.dataset):
-                raise DataStateError(
-                    f"data-source state was saved for {state['dataset_size']} prompts, "
-                    f"this dataset has {len(self.dataset)}"
-                )
-            if state["n_samples_per_prompt"] != self.n_samples_per_prompt:
-                raise DataStateError(
-                    f"data-source state was saved with n_samples_per_prompt={state['n_samples_per_prompt']}, "
-                    f"this run uses {self.n_samples_per_prompt}"
-                )
-            epoch, offset = int(state["epoch"]), int(state["offset"])
-            if epoch < 0 or not 0 <= offset <= len(self.dataset):
-                raise DataStateError(f"data-source position epoch={epoch} offset={offset} is out of range")
-            buffer = [[Sample.model_validate(s) for s in group] for group in state["buffer"]]
-            counters = int(state["sample_index"]), int(state["sample_group_index"])
-            seed = int(state["seed"])
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, DataStateError):
-                raise
-            raise DataStateError(f"malformed data-source state: {exc!r}") from None
-        self.seed, self.epoch, self.offset = seed, epoch, offset
-        self.sample_index, self.sample_group_index = counters
-        self.buffer = buffer
-        self._order = self._epoch_order(epoch)
+            saved = SavedPosition.model_validate(state)
+        except ValidationError as exc:
+            problems = [f"state.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+            raise MalformedDataState("malformed data-source state: " + "; ".join(problems[:5])) from None
+        if saved.dataset_size != len(self.dataset):
+            raise DataStateError(
+                f"data-source state was saved for {saved.dataset_size} prompts, "
+                f"this dataset has {len(self.dataset)}"
+            )
+        if saved.n_samples_per_prompt != self.n_samples_per_prompt:
+            raise DataStateError(
+                f"data-source state was saved with n_samples_per_prompt={saved.n_samples_per_prompt}, "
+                f"this run uses {self.n_samples_per_prompt}"
+            )
+        if saved.offset > len(self.dataset):
+            raise MalformedDataState(
+                f"state.offset: {saved.offset} is past the end of the {len(self.dataset)} prompts"
+            )
+        if any(len(group) != self.n_samples_per_prompt for group in saved.buffer):
+            raise MalformedDataState(
+                f"state.buffer: every group must hold {self.n_samples_per_prompt} samples"
+            )
+        _check_buffer(saved.buffer)
+        self.seed, self.epoch, self.offset = saved.seed, saved.epoch, saved.offset
+        self.sample_index, self.sample_group_index = saved.sample_index, saved.sample_group_index
+        self.buffer = saved.buffer
+        self._order = self._epoch_order(saved.epoch)
