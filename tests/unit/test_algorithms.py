@@ -102,6 +102,16 @@ def test_masked_aggregation() -> None:
         sample_mean_of_token_means(values, mask, [3, 3])
 
 
+def test_sample_mean_has_the_gradient_of_the_per_sample_loop() -> None:
+    lengths = [4, 1, 3, 2]
+    values = torch.randn(10, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    mask = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1, 0, 0])  # sample 1 and sample 3 fully masked
+    got = sample_mean_of_token_means(values, mask, lengths, num_samples=8)
+    loop = sum(masked_mean(v, m) for v, m in zip(values.split(lengths), mask.split(lengths), strict=True)) / 8
+    torch.testing.assert_close(got, loop)
+    torch.testing.assert_close(torch.autograd.grad(got, values)[0], torch.autograd.grad(loop, values)[0])
+
+
 def test_dp_schedule_seed_scenario() -> None:
     lengths = [200 + (i * 37) % 1024 for i in range(256)]
     sched = build_dp_schedule(lengths, global_batch_size=256, micro_batch_size=8, dp_size=4)

@@ -54,7 +54,15 @@ def sample_mean_of_token_means(
         raise ValueError(
             f"response_lengths sum to {sum(response_lengths)} but values has {values.numel()} entries"
         )
-    total = values.new_zeros(())
-    for v, m in zip(values.split(response_lengths), mask.split(response_lengths), strict=True):
-        total = total + masked_mean(v, m)
-    return total / (num_samples if num_samples is not None else max(1, len(response_lengths)))
+    n = len(response_lengths)
+    mask = mask.to(values.dtype)
+    # Segment sums (one kernel each, whatever n) rather than a per-sample loop of masked_mean.
+    sample = torch.repeat_interleave(
+        torch.arange(n, device=values.device),
+        torch.as_tensor(response_lengths, device=values.device),
+        output_size=values.numel(),
+    )
+    sums = values.new_zeros(n).index_add(0, sample, values * mask)
+    counts = values.new_zeros(n).index_add(0, sample, mask)
+    total = (sums / counts.clamp(min=1.0)).sum()
+    return total / (num_samples if num_samples is not None else max(1, n))
