@@ -58,6 +58,7 @@ def test_explicit_values_are_kept() -> None:
         (["bogus_field=1"], "bogus_field: Extra inputs are not permitted"),
         (["rollout_batch_size=0"], "rollout_batch_size"),
         (["router.policy=random"], "router.policy"),
+        (["trainer.packed_sequences=true", "trainer.use_sdpa=false"], "packed_sequences needs use_sdpa=true"),
         (["max_tokens_per_gpu=4096", "actor_num_gpus_per_node=6"], "not a multiple of DP size = 3"),
         (["max_tokens_per_gpu=0"], "max_tokens_per_gpu"),
     ],
