@@ -3,8 +3,9 @@
 Real Megatron-core ranks on CPU (gloo, the CPU shim). Each side computes one optimizer step's
 accumulated gradients from the same weights and the same samples; only the layout of the
 micro-batches differs, so log-probs (per sample), the loss and every parameter's gradient must
-agree to float tolerance. The end-to-end check trains packed, token-budget micro-batches over two
-DP ranks, with activation recomputation and the fused Adam step, against the HF + AdamW reference.
+agree to float tolerance. The end-to-end checks train packed, token-budget micro-batches on two
+ranks (DP, TP or PP), with activation recomputation and the fused Adam step, against the HF +
+AdamW reference.
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ def test_token_budget_micro_batches_give_the_fixed_split_gradients(
 
 
 @pytest.mark.slow
-def test_packed_budget_dp2_with_recompute_and_fused_adam_trains_like_hf(
-    ray_cluster: None, qwen3: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("tp", "pp"), [pytest.param(1, 1, id="dp2"), pytest.param(2, 1, id="tp2"), pytest.param(1, 2, id="pp2")]
+)
+def test_packed_budget_steps_with_recompute_and_fused_adam_train_like_hf(
+    ray_cluster: None, qwen3: Path, tmp_path: Path, tp: int, pp: int
 ) -> None:
-    """Two DP ranks, packed token-budget micro-batches: loss, grad norm, entropy of HF + AdamW."""
+    """Two ranks (DP, TP or PP), packed token-budget micro-batches: loss, grad norm, entropy of HF + AdamW."""
     trainer = {
         "lr": 1e-2,
         "clip_grad": 0.5,
@@ -79,14 +83,14 @@ def test_packed_budget_dp2_with_recompute_and_fused_adam_trains_like_hf(
         "recompute_activations": True,
         "fused_adam": True,
     }
-    cfg = run_config(tmp_path, ranks=2, max_tokens_per_gpu=24, trainer=trainer)
+    cfg = run_config(tmp_path, tp=tp, pp=pp, ranks=2, max_tokens_per_gpu=24, trainer=trainer)
     batch = rollout_batch(cfg, 0, ADVANTAGES)
     reference = hf_reference(qwen3, batch, cfg, steps=2)
     group = ActorGroup(cfg, str(qwen3))
     group.start()
     try:
         rbs = split(cfg, batch)
-        assert len(rbs) == 2 and rbs[0].num_microbatches == rbs[1].num_microbatches
+        assert len(rbs) == cfg.dp_size and len({tuple(rb.num_microbatches) for rb in rbs}) == 1
         got = []
         for r in range(2):
             for rb in rbs:

@@ -109,6 +109,8 @@ def test_sample_mean_has_the_gradient_of_the_per_sample_loop() -> None:
     got = sample_mean_of_token_means(values, mask, lengths, num_samples=8)
     loop = sum(masked_mean(v, m) for v, m in zip(values.split(lengths), mask.split(lengths), strict=True)) / 8
     torch.testing.assert_close(got, loop)
+    index = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2, 3, 3])
+    torch.testing.assert_close(sample_mean_of_token_means(values, mask, lengths, 8, sample_index=index), got)
     torch.testing.assert_close(torch.autograd.grad(got, values)[0], torch.autograd.grad(loop, values)[0])
 
 

@@ -45,6 +45,7 @@ def test_response_tokens_are_predicted_from_the_previous_position() -> None:
     # hidden is [s, b, h]; sample 0 predicts 5 at position 2 and 6 at 3; sample 1 predicts 7, 8, 9 at 0, 1, 2
     assert mb.index.tolist() == [2 * b + 0, 3 * b + 0, 0 * b + 1, 1 * b + 1, 2 * b + 1]
     assert mb.targets.tolist() == [5, 6, 7, 8, 9]
+    assert mb.sample_index is not None and mb.sample_index.tolist() == [0, 0, 1, 1, 1]
     flat_tokens = mb.tokens.t().reshape(-1)  # the same [s, b] flattening as the hidden states
     assert (flat_tokens[mb.index + b] == mb.targets).all()  # one position later holds the target
     assert mb.advantages.tolist() == pytest.approx(
@@ -66,7 +67,7 @@ def test_packed_samples_are_one_sequence_with_per_sample_positions() -> None:
     # hidden is [T, 1, h]: sample 0 predicts 5, 6 at 2, 3; sample 1 predicts 7, 8, 9 at 5 + 0, 1, 2
     assert mb.index.tolist() == [2, 3, 5, 6, 7]
     assert (mb.tokens[0, mb.index + 1] == mb.targets).all()
-    for name in ("targets", "loss_mask", "advantages", "has_rollout_log_probs"):
+    for name in ("targets", "loss_mask", "advantages", "has_rollout_log_probs", "sample_index"):
         assert torch.equal(getattr(mb, name), getattr(padded, name)), name  # same per-token arrays
     assert (mb.micro_batch_size, mb.seq_length) == (1, 9)
     assert (padded.micro_batch_size, padded.seq_length) == (2, 5)

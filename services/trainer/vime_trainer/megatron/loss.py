@@ -65,7 +65,11 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
 def _aggregate(mb: MicroBatch, settings: LossSettings) -> Callable[[torch.Tensor], torch.Tensor]:
     def agg(values: torch.Tensor) -> torch.Tensor:
         return sample_mean_of_token_means(
-            values, mb.loss_mask, mb.response_lengths, num_samples=settings.global_batch_size
+            values,
+            mb.loss_mask,
+            mb.response_lengths,
+            num_samples=settings.global_batch_size,
+            sample_index=mb.sample_index,
         )
 
     return agg
@@ -74,7 +78,8 @@ def _aggregate(mb: MicroBatch, settings: LossSettings) -> Callable[[torch.Tensor
 def mismatch_counts(train_log_probs: torch.Tensor, mb: MicroBatch) -> Metrics:
     """Sums behind the train/inference log-prob mismatch (tokens with rollout log-probs only)."""
     sel = mb.has_rollout_log_probs & (mb.loss_mask > 0)
-    diff = (train_log_probs.detach() - mb.rollout_log_probs).abs()[sel]
+    # A mask, not boolean indexing: indexing would wait for the GPU in every micro-batch.
+    diff = torch.where(sel, (train_log_probs.detach() - mb.rollout_log_probs).abs(), 0.0)
     return {
         "mismatch_abs_sum": diff.sum(),
         "mismatch_above_count": (diff > MISMATCH_THRESHOLD).sum().to(torch.float32),

@@ -54,6 +54,7 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor  # [R] float32, NaN where a sample carries none
     has_rollout_log_probs: torch.Tensor  # [R] bool
     response_lengths: list[int]
+    sample_index: torch.Tensor | None = None  # [R] int64, each response token's sample
     packing: PackedSamples | None = None
     """Sample boundaries when the samples are packed into one sequence (None: right-padded)."""
     sample_lengths: list[int] = field(default_factory=list)
@@ -146,6 +147,7 @@ def make_micro_batch(cols: SampleColumns, device: str | torch.device, packed: bo
         rollout_log_probs=t(cols.rollout_log_probs, torch.float32),
         has_rollout_log_probs=t(has_lp, torch.bool),
         response_lengths=[int(r) for r in resp],
+        sample_index=t(row, torch.long),
         packing=packing,
         sample_lengths=[int(n) for n in lengths],
     )
