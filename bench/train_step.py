@@ -228,6 +228,7 @@ def run_variant(
         rank.shutdown()
         shutdown_rank()  # also when setup failed half-way
         del rank
+        torch._dynamo.reset()  # compiled variants' caches would keep their model alive
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

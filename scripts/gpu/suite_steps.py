@@ -60,9 +60,9 @@ TRAIN_VARIANTS_4B = [
     f"budget16k {_PACKED} max_tokens_per_gpu=16384",
     f"budget16k_fused_bf16grad {_PACKED} max_tokens_per_gpu=16384 trainer.fused_adam=true"
     " trainer.grad_reduce_in_fp32=false",
+    f"budget16k_recompute {_PACKED} max_tokens_per_gpu=16384 trainer.recompute_activations=true",
     f"budget16k_clogp {_PACKED} max_tokens_per_gpu=16384 trainer.compile_logprobs=true",
     f"budget16k_clayers {_PACKED} max_tokens_per_gpu=16384 trainer.compile_layers=true",
-    f"budget16k_recompute {_PACKED} max_tokens_per_gpu=16384 trainer.recompute_activations=true",
 ]
 TRAIN_VARIANTS_CPU = [
     "padded",

@@ -15,7 +15,7 @@ from vime_trainer.megatron.micro_batch import PackedSamples
 from vime_trainer.megatron.sdpa import SDPAttention, resolve_packed_kernel
 
 LENGTHS = [5, 1, 9, 3]
-HEADS, GROUPS, DIM = 4, 2, 8
+HEADS, GROUPS, DIM = 4, 2, 64
 
 
 def _module(kernel: str = "segments") -> SDPAttention:

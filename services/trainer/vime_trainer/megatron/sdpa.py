@@ -22,7 +22,7 @@ import itertools
 import math
 from collections.abc import Callable
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -98,17 +98,20 @@ def varlen_attention(
 
 
 @cache
-def _flex() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_compiled() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
 
-    compiled = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
-    return compiled, create_block_mask
+    return torch.compile(flex_attention)
 
 
-def flex_attention(
+def flex_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: PackedSamples, scale: float
 ) -> torch.Tensor:
-    attend, create_block_mask = _flex()
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as eager
+
+    # Compiled on GPU (its fused kernel); eager elsewhere (a reference implementation, no backward).
+    attend = _flex_compiled() if q.is_cuda else cast(Callable[..., Any], eager)
     total = q.shape[0]
     mask = packing.cache.get("flex_block_mask")
     if mask is None:  # once per micro-batch, shared by every layer
@@ -129,7 +132,7 @@ def flex_attention(
 
 PACKED_KERNELS: dict[str, Kernel] = {
     "varlen": varlen_attention,
-    "flex": flex_attention,
+    "flex": flex_document_attention,
     "segments": segments_attention,
 }
 
