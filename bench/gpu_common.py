@@ -73,16 +73,19 @@ def wait_engine(child: procs.Child, url: str, timeout_s: float = 600.0) -> None:
         raise
 
 
-def bench_batch(samples: int, prompt_len: int, response_len: int, vocab: int) -> Any:
-    """A `RolloutBatch` of ``samples`` random samples of fixed prompt/response lengths (groups of 8,
-    rewards alternating 0/1, the seed's ±0.9354 advantages)."""
+def bench_batch(
+    samples: int, prompt_len: int, response_len: int, vocab: int, response_lengths: list[int] | None = None
+) -> Any:
+    """A `RolloutBatch` of ``samples`` random samples (groups of 8, rewards alternating 0/1, the
+    seed's ±0.9354 advantages): prompts of ``prompt_len`` tokens, responses of ``response_len``
+    tokens or of the given ``response_lengths``."""
     import numpy as np
 
     from vime.batch import RolloutBatch
     from vime.types import Sample, SampleStatus
 
     rng = np.random.default_rng(0)
-    p, r = prompt_len, response_len
+    p, lengths = prompt_len, response_lengths or [response_len] * samples
     rows = [
         Sample(
             tokens=rng.integers(3, vocab, size=p + r).tolist(),
@@ -93,7 +96,7 @@ def bench_batch(samples: int, prompt_len: int, response_len: int, vocab: int) ->
             index=i,
             group_index=i // 8,
         )
-        for i in range(samples)
+        for i, r in enumerate(lengths)
     ]
     adv = [0.9354 if i % 2 else -0.9354 for i in range(samples)]
     return RolloutBatch.from_samples(
@@ -108,7 +111,8 @@ def split_batch(cfg: RunConfig, batch: Any) -> list[Any]:
 
     lengths = batch.total_lengths().tolist()
     gbs = cfg.global_batch_size or batch.num_samples
-    return split_by_dp(batch, build_dp_schedule(lengths, gbs, cfg.micro_batch_size, cfg.dp_size))
+    schedule = build_dp_schedule(lengths, gbs, cfg.micro_batch_size, cfg.dp_size, cfg.max_tokens_per_gpu)
+    return split_by_dp(batch, schedule)
 
 
 def train_batches(args: argparse.Namespace, cfg: RunConfig, vocab: int) -> list[Any]:
@@ -144,6 +148,11 @@ def train_flops(shape: TinyShape, tokens: int, seq: int) -> float:
     """Training FLOPs: 6·N per token plus causal attention (6·L·heads·head_dim·seq per token)."""
     attn = 6 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * seq
     return float(6 * num_parameters(shape) * tokens + attn * tokens)
+
+
+def sample_flops(shape: TinyShape, lengths: list[int]) -> float:
+    """`train_flops` summed over samples of the given lengths (padding is not useful work)."""
+    return sum(train_flops(shape, n, n) for n in lengths)
 
 
 def train_steps(group: Any, args: argparse.Namespace, shape: TinyShape, on_gpu: bool) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, computed_field, model_validator
 
+from vime.algorithms.schedule import step_multiple
 from vime.config_sections import (
     DataConfig,
     EngineConfig,
@@ -119,7 +120,10 @@ class RunConfig(Section):
     global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step; derived from num_steps_per_rollout when that is set."""
     micro_batch_size: int = Field(8, ge=1)
-    """Samples per micro-batch on each DP rank."""
+    """Samples per micro-batch on each DP rank (unused when max_tokens_per_gpu is set)."""
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    """Cut each DP rank's share of a step into micro-batches by this many tokens (prompt + response,
+    a longer sample alone) instead of micro_batch_size samples; every rank runs the same count."""
     advantage_estimator: Literal["grpo"] = "grpo"
     """Advantage estimator: GRPO's group-normalised rewards (seed step 30), the only one implemented."""
     grpo_std_normalization: bool = True
@@ -229,11 +233,10 @@ class RunConfig(Section):
                 f"global_batch_size={gbs} does not divide the {samples} samples of a rollout "
                 f"(rollout_batch_size × n_samples_per_prompt): pick a divisor of {samples}"
             )
-        per_step = self.micro_batch_size * self.dp_size
-        if gbs % per_step:
+        multiple, what = step_multiple(self.micro_batch_size, self.dp_size, self.max_tokens_per_gpu)
+        if gbs % multiple:
             yield (
-                f"global_batch_size={gbs} is not a multiple of micro_batch_size × DP size = "
-                f"{self.micro_batch_size} × {self.dp_size} = {per_step}: change micro_batch_size, "
+                f"global_batch_size={gbs} is not a multiple of {what}: change micro_batch_size, "
                 f"the parallel sizes, or the batch"
             )
         if self.train_world_size % (self.tensor_model_parallel_size * self.pipeline_model_parallel_size):
@@ -311,8 +314,11 @@ class RunConfig(Section):
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def num_microbatches_per_step(self) -> int:
-        """Micro-batches per DP rank per optimizer step = global_batch_size // (micro_batch_size × DP)."""
+    def num_microbatches_per_step(self) -> int | None:
+        """Micro-batches per DP rank per optimizer step = global_batch_size // (micro_batch_size × DP);
+        None with max_tokens_per_gpu (then each step's count follows its tokens)."""
+        if self.max_tokens_per_gpu:
+            return None
         return (self.global_batch_size or 0) // (self.micro_batch_size * self.dp_size)
 
     def effective_run_id(self, default: str = "default") -> str:

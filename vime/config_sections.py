@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -191,6 +191,23 @@ class TrainerConfig(Section):
     """Swap Megatron's unfused local attention for torch SDPA (no TransformerEngine needed)."""
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing response log-probs without full-vocab fp32 logits."""
+    packed_sequences: bool = False
+    """Pack each micro-batch's samples into one sequence (no padding; attention stays within each
+    sample) instead of right-padding them to [samples, longest sample]. Needs use_sdpa."""
+    packed_attention: Literal["auto", "varlen", "flex", "segments"] = "auto"
+    """Attention kernel for packed samples: varlen (FlashAttention) or flex (FlexAttention), GPU
+    only, or segments (one SDPA call per sample); auto is varlen on GPU, segments on CPU."""
+    recompute_activations: bool = False
+    """Recompute each layer's forward during backward (Megatron's full recompute) instead of keeping
+    its activations: less memory, about a third more compute."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and all-reduce gradients in fp32; False keeps them in the parameter dtype (bf16)."""
+    fused_adam: bool = False
+    """Run Megatron's Adam step as torch's fused AdamW kernel instead of its multi-tensor loop."""
+    compile_logprobs: bool = False
+    """torch.compile the per-chunk log-prob/entropy computation over the vocabulary."""
+    compile_layers: bool = False
+    """torch.compile each transformer layer's MLP and norms (fuses SwiGLU and RMSNorm)."""
     packed_buffer_size_bytes: int = Field(1 << 30, ge=1 << 12)
     """Weight-push bucket size (a tensor larger than this travels alone in its own bucket)."""
     weight_transport: Literal["auto", "ipc", "shm"] = "auto"
@@ -210,3 +227,11 @@ class TrainerConfig(Section):
     """KL estimator of the loss term against the reference model (used when kl_coef > 0)."""
     seed: int = 1234
     """Trainer RNG seed."""
+
+    @model_validator(mode="after")
+    def _packed_needs_sdpa(self) -> TrainerConfig:
+        if self.packed_sequences and not self.use_sdpa:
+            raise ValueError(
+                "packed_sequences needs use_sdpa=true: Megatron's local attention takes padded batches only"
+            )
+        return self

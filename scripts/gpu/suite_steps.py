@@ -38,6 +38,41 @@ def _args(text: str) -> list[str]:
     return shlex.split(text)
 
 
+def _variants(variants: list[str]) -> list[str]:
+    return [a for v in variants for a in ("--variant", v)]
+
+
+_PACKED = "trainer.packed_sequences=true"
+TRAIN_VARIANTS_06B = [
+    "padded",  # today's path: right-padded micro-batches of 4 samples
+    f"packed {_PACKED}",
+    f"budget16k {_PACKED} max_tokens_per_gpu=16384",
+    f"budget32k {_PACKED} max_tokens_per_gpu=32768",
+    f"budget16k_fused {_PACKED} max_tokens_per_gpu=16384 trainer.fused_adam=true",
+    f"budget16k_bf16grad {_PACKED} max_tokens_per_gpu=16384 trainer.grad_reduce_in_fp32=false",
+    f"budget16k_flex {_PACKED} max_tokens_per_gpu=16384 trainer.packed_attention=flex",
+    f"budget16k_clogp {_PACKED} max_tokens_per_gpu=16384 trainer.compile_logprobs=true",
+    f"budget16k_clayers {_PACKED} max_tokens_per_gpu=16384 trainer.compile_layers=true",
+]
+"""Bench variants of the step (bench/train_step.py ``--variant``): one change each from budget16k."""
+TRAIN_VARIANTS_4B = [
+    "padded",  # today's path: right-padded micro-batches of 2 samples
+    f"budget16k {_PACKED} max_tokens_per_gpu=16384",
+    f"budget16k_fused_bf16grad {_PACKED} max_tokens_per_gpu=16384 trainer.fused_adam=true"
+    " trainer.grad_reduce_in_fp32=false",
+    f"budget16k_recompute {_PACKED} max_tokens_per_gpu=16384 trainer.recompute_activations=true",
+    f"budget16k_clogp {_PACKED} max_tokens_per_gpu=16384 trainer.compile_logprobs=true",
+    f"budget16k_clayers {_PACKED} max_tokens_per_gpu=16384 trainer.compile_layers=true",
+]
+TRAIN_VARIANTS_CPU = [
+    "padded",
+    f"packed {_PACKED}",
+    f"budget {_PACKED} max_tokens_per_gpu=160",
+    f"budget_fused_recompute {_PACKED} max_tokens_per_gpu=160 trainer.fused_adam=true"
+    " trainer.recompute_activations=true",
+]
+
+
 STEPS: dict[str, Step] = {
     s.name: s
     for s in [
@@ -91,19 +126,40 @@ STEPS: dict[str, Step] = {
             timeout_s=330,
             expect_s=220,
         ),
+        _pytest_step(
+            "train_kernels",
+            "packed-sample attention (varlen, flex) against padded SDPA in bf16, with gradients",
+            "tests/unit/trainer/test_packed_attention.py",
+            timeout_s=120,
+            expect_s=40,
+        ),
         Step(
             "bench_train",
-            "Megatron train step vs HF + AdamW (bench/train_step.py), Qwen3-0.6B shape",
+            "Megatron train step variants vs HF + AdamW, Qwen3-0.6B shape, uneven lengths, profiled",
             _args(
-                "bench/train_step.py --shape 0.6b --gpus 1 --samples 32 --prompt-len 200 --response-len 800"
+                "bench/train_step.py --shape 0.6b --gpus 1 --samples 64 --prompt-len 200 --response-len 800"
             )
-            + _args("--micro-batch 4 --steps 3"),
-            _args(
-                "bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 2"
-            ),
-            timeout_s=240,
-            expect_s=150,
-            work_arg=False,
+            + _args("--lengths capped --micro-batch 4 --steps 3 --sleep-check --profile")
+            + _args("--profile-variants padded,budget16k")
+            + _variants(TRAIN_VARIANTS_06B),
+            _args("bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 2")
+            + _args("--lengths uniform --sleep-check --profile")
+            + _variants(TRAIN_VARIANTS_CPU),
+            timeout_s=420,
+            expect_s=290,
+        ),
+        Step(
+            "bench_train_4b",
+            "Megatron train step variants, Qwen3-4B shape, uneven lengths, profiled (MFU)",
+            _args("bench/train_step.py --shape 4b --gpus 1 --samples 48 --prompt-len 200 --response-len 824")
+            + _args("--lengths capped --micro-batch 2 --steps 2 --skip-baseline --profile")
+            + _args("--profile-variants padded,budget16k")
+            + _variants(TRAIN_VARIANTS_4B),
+            _args("bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 1")
+            + _args("--lengths capped --skip-baseline --profile")
+            + _variants(TRAIN_VARIANTS_CPU[:2]),
+            timeout_s=420,
+            expect_s=300,
         ),
     ]
 }
@@ -111,6 +167,7 @@ STEPS: dict[str, Step] = {
 GROUPS: dict[str, list[str]] = {
     "tests": ["loop", "contract", "megatron"],
     "benches": ["bench_sync", "bench_step"],
+    "throughput": ["train_kernels", "bench_train_4b", "bench_train"],
     "all": list(STEPS),
 }
 """Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second.

@@ -47,7 +47,8 @@ def test_commands_point_pytest_and_benches_at_the_collected_directories(tmp_path
     train = suite_steps.command(
         steps["bench_train"], dry=False, work=tmp_path, basetemp=tmp_path, junit=tmp_path
     )
-    assert "--work" not in train  # bench/train_step.py has no --work
+    assert train[-2:] == ["--work", str(tmp_path)]  # its JSON and profiles land in the collected work dir
+    assert train.count("--variant") >= 2 and "padded" in train
     for step in steps.values():  # every script a step names exists
         assert (SCRIPTS.parents[1] / next(a for a in step.gpu if a.endswith(".py"))).is_file()
 

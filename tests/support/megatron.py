@@ -104,7 +104,11 @@ def split(cfg: RunConfig, batch: RolloutBatch, dp_size: int | None = None) -> li
     """The batch's DP split as the rollout manager makes it (seed step 31)."""
     dp = dp_size or cfg.dp_size
     schedule = build_dp_schedule(
-        batch.total_lengths().tolist(), cfg.global_batch_size or 0, cfg.micro_batch_size, dp
+        batch.total_lengths().tolist(),
+        cfg.global_batch_size or 0,
+        cfg.micro_batch_size,
+        dp,
+        cfg.max_tokens_per_gpu,
     )
     return split_by_dp(batch, schedule)
 
@@ -195,3 +199,52 @@ def one(results: list[Any]) -> Any:
     found = [r for r in results if r is not None]
     assert len(found) == 1, f"expected one rank to answer, got {len(found)}"
     return found[0]
+
+
+def rank_gradients(cfg: RunConfig, checkpoint: Path, rb: RankBatch) -> dict[str, Any]:
+    """One rank's accumulated gradients (per parameter) and log-probs (per response token, in the
+    batch's row order) for the single optimizer step of ``rb``, without the update.
+
+    Runs as a one-shot Ray task (its worker exits afterwards): a CPU rank installs the process-wide
+    CPU shim, which must not stay in a process that runs anything else.
+    """
+    import ray
+
+    from vime import procs
+
+    @ray.remote(num_cpus=1, max_calls=1)
+    def run(cfg: RunConfig, checkpoint: str, rb: RankBatch) -> dict[str, Any]:
+        from vime_trainer.megatron.loss import policy_loss
+        from vime_trainer.megatron.rank import TrainRank
+
+        rank = TrainRank(0, 1, cfg, checkpoint)
+        rank.setup("127.0.0.1", procs.free_port())
+        try:
+            steps, model = rank.steps, rank.passes.model
+            mbs = steps.micro_batches(rb)
+            log_probs = torch.cat(steps.log_probs(mbs))
+            (n,) = rb.num_microbatches
+            settings = steps.settings(rb, n)
+            rank.ddp.zero_grad_buffer()
+            outputs = rank.passes.run(
+                mbs,
+                lambda k, mb, hidden: policy_loss(model.output_logits, hidden, mb, settings, None, None),
+                forward_only=False,
+            )
+            return {
+                "grads": {n: p.main_grad.detach().clone().numpy() for n, p in model.named_parameters()},
+                "log_probs": log_probs.numpy(),
+                "loss": float(sum(o["loss"] for o in outputs)),
+                "entropy": float(sum(o["entropy"] for o in outputs)),
+                "padded_tokens": sum(mb.padded_tokens for mb in mbs),
+            }
+        finally:
+            rank.shutdown()
+
+    return ray.get(run.remote(cfg, str(checkpoint), rb))
+
+
+def by_sample(rb: RankBatch, per_token: np.ndarray) -> dict[int, np.ndarray]:
+    """Per-response-token values of ``rb`` (row order) keyed by each row's sample index."""
+    off = rb.response_offsets()
+    return {int(s): per_token[off[i] : off[i + 1]] for i, s in enumerate(rb.sample_indices)}

@@ -101,6 +101,18 @@ def test_masked_aggregation() -> None:
         sample_mean_of_token_means(values, mask, [3, 3])
 
 
+def test_sample_mean_has_the_gradient_of_the_per_sample_loop() -> None:
+    lengths = [4, 1, 3, 2]
+    values = torch.randn(10, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    mask = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1, 0, 0])  # sample 1 and sample 3 fully masked
+    got = sample_mean_of_token_means(values, mask, lengths, num_samples=8)
+    loop = sum(masked_mean(v, m) for v, m in zip(values.split(lengths), mask.split(lengths), strict=True)) / 8
+    torch.testing.assert_close(got, loop)
+    index = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2, 3, 3])
+    torch.testing.assert_close(sample_mean_of_token_means(values, mask, lengths, 8, sample_index=index), got)
+    torch.testing.assert_close(torch.autograd.grad(got, values)[0], torch.autograd.grad(loop, values)[0])
+
+
 def test_dp_schedule_seed_scenario() -> None:
     lengths = [200 + (i * 37) % 1024 for i in range(256)]
     sched = build_dp_schedule(lengths, global_batch_size=256, micro_batch_size=8, dp_size=4)
@@ -130,6 +142,48 @@ def test_dp_schedule_balances_better_than_contiguous_split() -> None:
     contiguous = [sum(lengths[r * 8 : (r + 1) * 8]) for r in range(4)]
     assert max(balanced) < max(contiguous)
     assert max(balanced) - min(balanced) == 0
+
+
+def _tokens(sched: object, lengths: list[int]) -> list[list[int]]:
+    return [[sum(lengths[i] for i in mb) for mb in mbs] for mbs in sched.micro_batch_indices]  # type: ignore[attr-defined]
+
+
+def test_token_budget_cuts_micro_batches_by_tokens() -> None:
+    lengths = [200 + (i * 37) % 1024 for i in range(256)]  # 200..1223 tokens, seed scenario sizes
+    sched = build_dp_schedule(lengths, 256, micro_batch_size=8, dp_size=4, max_tokens_per_gpu=4096)
+    (k,) = sched.num_microbatches
+    assert all(len(mbs) == k for mbs in sched.micro_batch_indices)  # every rank runs k micro-batches
+    assert all(t <= 4096 for rank in _tokens(sched, lengths) for t in rank)
+    assert k == max(-(-t // 4096) for t in sched.rank_tokens(lengths))  # as few as the budget allows
+    # the rank split is the fixed schedule's: same samples per rank, balanced tokens
+    fixed = build_dp_schedule(lengths, 256, micro_batch_size=8, dp_size=4)
+    assert [sorted(p) for p in sched.partitions] == [sorted(p) for p in fixed.partitions]
+    for part, mbs in zip(sched.partitions, sched.micro_batch_indices, strict=True):
+        assert [i for mb in mbs for i in mb] == part  # micro-batches list the partition in order
+
+
+def test_token_budget_keeps_steps_and_puts_a_long_sample_alone() -> None:
+    lengths = [30] + [5] * 15 + [12] * 16
+    sched = build_dp_schedule(lengths, 16, micro_batch_size=1, dp_size=2, max_tokens_per_gpu=20)
+    assert len(sched.num_microbatches) == 2 and sched.global_batch_sizes == [16, 16]
+    for part in sched.partitions:
+        assert [i // 16 for i in part] == sorted(i // 16 for i in part)  # step 0's samples first
+    tokens = _tokens(sched, lengths)
+    over = [(r, k) for r, rank in enumerate(tokens) for k, t in enumerate(rank) if t > 20]
+    assert [len(sched.micro_batch_indices[r][k]) for r, k in over] == [1]  # only the 30-token sample
+    assert sched.num_microbatches[1] == 8  # 12-token samples: one per micro-batch of 20
+
+
+def test_without_a_budget_the_seed_numbers_stand() -> None:
+    lengths = [200 + (i * 37) % 1024 for i in range(256)]
+    assert build_dp_schedule(lengths, 256, 8, 4, max_tokens_per_gpu=None).num_microbatches == [8]
+    assert build_dp_schedule(lengths, 64, 8, 4).num_microbatches == [2, 2, 2, 2]
+    # with a budget only global_batch_size % dp_size matters, not the micro-batch size
+    assert len(build_dp_schedule(lengths, 64, 48, 4, max_tokens_per_gpu=8192).num_microbatches) == 4
+    with pytest.raises(ValueError, match="multiple of DP size = 3"):
+        build_dp_schedule(lengths, 64, 8, 3, max_tokens_per_gpu=8192)
+    with pytest.raises(ValueError, match="max_tokens_per_gpu=0"):
+        build_dp_schedule(lengths, 64, 8, 4, max_tokens_per_gpu=0)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,11 @@ def test_four_steps_per_rollout() -> None:
     assert cfg.num_microbatches_per_step == 2
 
 
+def test_a_token_budget_replaces_the_micro_batch_size() -> None:
+    cfg = load_config(overrides=["max_tokens_per_gpu=8192", "micro_batch_size=48"])  # 48 × 4 ∤ 256: unused
+    assert cfg.max_tokens_per_gpu == 8192 and cfg.num_microbatches_per_step is None
+
+
 def test_explicit_values_are_kept() -> None:
     cfg = load_config(overrides=["eps_clip_high=0.28", "over_sampling_batch_size=64", "colocate=false"])
     assert cfg.eps_clip_high == 0.28
@@ -56,6 +61,9 @@ def test_explicit_values_are_kept() -> None:
         (["bogus_field=1"], "bogus_field: Extra inputs are not permitted"),
         (["rollout_batch_size=0"], "rollout_batch_size"),
         (["router.policy=random"], "router.policy"),
+        (["trainer.packed_sequences=true", "trainer.use_sdpa=false"], "packed_sequences needs use_sdpa=true"),
+        (["max_tokens_per_gpu=4096", "actor_num_gpus_per_node=6"], "not a multiple of DP size = 3"),
+        (["max_tokens_per_gpu=0"], "max_tokens_per_gpu"),
     ],
 )
 def test_impossible_configs_are_refused(overrides: list[str], fragment: str) -> None:

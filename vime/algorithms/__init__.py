@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vime.algorithms.grpo import get_grpo_returns, normalize_group_rewards
-from vime.algorithms.schedule import DPSchedule, build_dp_schedule, can_reuse_log_probs_in_loss
+from vime.algorithms.schedule import DPSchedule, build_dp_schedule, can_reuse_log_probs_in_loss, step_multiple
 from vime.algorithms.weight_sync import should_flush_cache
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ __all__ = [
     "normalize_group_rewards",
     "sample_mean_of_token_means",
     "should_flush_cache",
+    "step_multiple",
 ]
 
 

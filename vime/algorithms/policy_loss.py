@@ -42,19 +42,34 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_mean_of_token_means(
-    values: torch.Tensor, mask: torch.Tensor, response_lengths: list[int], num_samples: int | None = None
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    response_lengths: list[int],
+    num_samples: int | None = None,
+    sample_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Average over samples of each sample's masked token mean.
 
     ``values`` and ``mask`` are the response tokens of several samples concatenated; each sample
     weighs the same whatever its length (prompt tokens never appear here, masked tokens do not
     count). ``num_samples`` is the divisor (the global batch when micro-batches are accumulated).
+    ``sample_index`` (each token's sample, on the values' device) saves building it from
+    ``response_lengths``, a host-to-device copy that waits for the device.
     """
     if sum(response_lengths) != values.numel():
         raise ValueError(
             f"response_lengths sum to {sum(response_lengths)} but values has {values.numel()} entries"
         )
-    total = values.new_zeros(())
-    for v, m in zip(values.split(response_lengths), mask.split(response_lengths), strict=True):
-        total = total + masked_mean(v, m)
-    return total / (num_samples if num_samples is not None else max(1, len(response_lengths)))
+    n = len(response_lengths)
+    mask = mask.to(values.dtype)
+    if sample_index is None:
+        sample_index = torch.repeat_interleave(
+            torch.arange(n, device=values.device),
+            torch.as_tensor(response_lengths, device=values.device),
+            output_size=values.numel(),
+        )
+    # Segment sums (one kernel each, whatever n) rather than a per-sample loop of masked_mean.
+    sums = values.new_zeros(n).index_add(0, sample_index, values * mask)
+    counts = values.new_zeros(n).index_add(0, sample_index, mask)
+    total = (sums / counts.clamp(min=1.0)).sum()
+    return total / (num_samples if num_samples is not None else max(1, n))

@@ -29,26 +29,40 @@ class DPSchedule:
         return [sum(total_lengths[i] for i in part) for part in self.partitions]
 
 
+def step_multiple(micro_batch_size: int, dp_size: int, max_tokens_per_gpu: int | None) -> tuple[int, str]:
+    """What global_batch_size must be a multiple of, and its name for messages: micro_batch_size ×
+    dp_size, or dp_size alone under a token budget (micro-batches then follow tokens)."""
+    if max_tokens_per_gpu:
+        return dp_size, f"DP size = {dp_size}"
+    n = micro_batch_size * dp_size
+    return n, f"micro_batch_size × DP size = {micro_batch_size} × {dp_size} = {n}"
+
+
 def build_dp_schedule(
-    total_lengths: list[int], global_batch_size: int, micro_batch_size: int, dp_size: int
+    total_lengths: list[int],
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_size: int,
+    max_tokens_per_gpu: int | None = None,
 ) -> DPSchedule:
     """Split a rollout into optimizer steps, then each step's samples over DP ranks (seed step 31).
 
-    num_steps = n // global_batch_size; each step has global_batch_size // micro_batch_size
-    micro-batches, dp_size-th of them per rank. Within a step, samples go longest first to the
-    rank with the fewest tokens that still has room (every rank gets the same count), so ranks
-    finish together; each rank's samples are then cut into micro-batches of similar lengths.
+    num_steps = n // global_batch_size. Within a step, samples go longest first to the rank with
+    the fewest tokens that still has room (every rank gets the same count), so ranks finish
+    together. Each rank's samples are then cut into micro-batches: without ``max_tokens_per_gpu``,
+    global_batch_size // (micro_batch_size × dp_size) micro-batches of ``micro_batch_size``
+    samples of similar lengths; with it, by tokens (`token_budget_micro_batches`).
     """
     n = len(total_lengths)
     if global_batch_size < 1 or micro_batch_size < 1 or dp_size < 1:
         raise ValueError("global_batch_size, micro_batch_size and dp_size must be >= 1")
+    if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
+        raise ValueError(f"max_tokens_per_gpu={max_tokens_per_gpu} must be >= 1")
     if n == 0 or n % global_batch_size:
         raise ValueError(f"{n} samples do not form whole steps of global_batch_size={global_batch_size}")
-    if global_batch_size % (micro_batch_size * dp_size):
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size × dp_size "
-            f"= {micro_batch_size * dp_size}"
-        )
+    multiple, what = step_multiple(micro_batch_size, dp_size, max_tokens_per_gpu)
+    if global_batch_size % multiple:
+        raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of {what}")
     per_rank = global_batch_size // dp_size
     partitions: list[list[int]] = [[] for _ in range(dp_size)]
     micro: list[list[list[int]]] = [[] for _ in range(dp_size)]
@@ -63,11 +77,62 @@ def build_dp_schedule(
             step_parts[r].append(i)
             if len(step_parts[r]) < per_rank:
                 heapq.heappush(heap, (tokens + total_lengths[i], r))
-        for r, part in enumerate(step_parts):
-            partitions[r].extend(part)
-            micro[r].extend(part[k : k + micro_batch_size] for k in range(0, per_rank, micro_batch_size))
-        num_microbatches.append(per_rank // micro_batch_size)
+        if max_tokens_per_gpu:
+            step_micro = token_budget_micro_batches(step_parts, total_lengths, max_tokens_per_gpu)
+        else:
+            step_micro = [
+                [part[k : k + micro_batch_size] for k in range(0, per_rank, micro_batch_size)]
+                for part in step_parts
+            ]
+        for r, mbs in enumerate(step_micro):
+            partitions[r].extend(i for mb in mbs for i in mb)
+            micro[r].extend(mbs)
+        num_microbatches.append(len(step_micro[0]))
     return DPSchedule(partitions, micro, num_microbatches, [global_batch_size] * len(num_microbatches))
+
+
+def token_budget_micro_batches(
+    parts: list[list[int]], total_lengths: list[int], max_tokens: int
+) -> list[list[list[int]]]:
+    """Each rank's samples of one step in k micro-batches of at most ``max_tokens`` tokens each.
+
+    ``parts`` hold the same number of samples. k is the same for every rank (Megatron's schedule
+    runs as many micro-batches on each, as slime's dynamic batch size does): the
+    largest first-fit-decreasing count over the ranks, raised until a longest-first greedy
+    balance (each sample to the micro-batch with the fewest tokens) keeps every micro-batch of
+    two or more samples within the budget. A sample longer than the budget is a micro-batch alone.
+    The loss does not depend on the split: it is normalised by the global batch size.
+    """
+
+    def first_fit(part: list[int]) -> int:
+        bins: list[int] = []
+        for i in sorted(part, key=lambda i: -total_lengths[i]):
+            for b, used in enumerate(bins):
+                if used + total_lengths[i] <= max_tokens:
+                    bins[b] += total_lengths[i]
+                    break
+            else:
+                bins.append(total_lengths[i])
+        return len(bins)
+
+    def balance(part: list[int], k: int) -> list[list[int]] | None:
+        heap = [(0, b) for b in range(k)]
+        bins: list[list[int]] = [[] for _ in range(k)]
+        for i in sorted(part, key=lambda i: (-total_lengths[i], i)):
+            tokens, b = heapq.heappop(heap)
+            if bins[b] and tokens + total_lengths[i] > max_tokens:
+                return None
+            bins[b].append(i)
+            heapq.heappush(heap, (tokens + total_lengths[i], b))
+        return bins
+
+    # Ranks hold equally many samples; with k = that many, every micro-batch is one sample.
+    k = min(max(first_fit(p) for p in parts), len(parts[0]))
+    while True:
+        balanced = [balance(p, k) for p in parts]
+        if all(b is not None for b in balanced):
+            return [b for b in balanced if b is not None]
+        k += 1
 
 
 def can_reuse_log_probs_in_loss(config: RunConfig, num_microbatches: list[int]) -> bool:

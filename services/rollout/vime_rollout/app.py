@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
+from vime.algorithms import step_multiple
 from vime.service import ServiceError, create_app, make_token_checker
 from vime.wire.bounds import MAX_ID
 from vime.wire.rollout import (
@@ -223,10 +224,9 @@ def _add_rollout_routes(app: FastAPI, mgr: Any, auth: list[Any], default_dp_size
 def _check_dp_size(m: RolloutManager, dp: int) -> None:
     """422 when a step of ``global_batch_size`` samples cannot be split evenly over ``dp`` ranks."""
     gbs = m.cfg.global_batch_size or 0
-    if gbs % (m.cfg.micro_batch_size * dp):
-        raise ServiceError(
-            422, f"dp_size={dp}: global_batch_size={gbs} is not a multiple of micro_batch_size × dp_size"
-        )
+    multiple, what = step_multiple(m.cfg.micro_batch_size, dp, m.cfg.max_tokens_per_gpu)
+    if gbs % multiple:
+        raise ServiceError(422, f"dp_size={dp}: global_batch_size={gbs} is not a multiple of {what}")
 
 
 def _add_engine_routes(app: FastAPI, mgr: Any, auth: list[Any]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from vime.algorithms import build_dp_schedule, normalize_group_rewards
+from vime.algorithms import build_dp_schedule, normalize_group_rewards, step_multiple
 from vime.batch import RankBatch, RolloutBatch, split_by_dp
 from vime.config import RunConfig
 from vime.queue import BatchPublisher, PublishResult, connect
@@ -69,10 +69,11 @@ def build_batch(
     samples = order_groups(groups, n)
     advantages = advantages_for(cfg, samples, n)
     gbs = cfg.global_batch_size or len(samples)
-    if len(samples) % gbs or gbs % (cfg.micro_batch_size * dp_size):
+    multiple, what = step_multiple(cfg.micro_batch_size, dp_size, cfg.max_tokens_per_gpu)
+    if len(samples) % gbs or gbs % multiple:
         raise BatchBuildError(
-            f"{len(samples)} samples do not split into steps of global_batch_size={gbs} with "
-            f"micro_batch_size={cfg.micro_batch_size} × dp_size={dp_size}"
+            f"{len(samples)} samples do not split into steps of global_batch_size={gbs} over "
+            f"dp_size={dp_size} (a step must be a multiple of {what})"
         )
     all_metrics = {**(metrics or {}), **_advantage_metrics(advantages, n)}
     batch = RolloutBatch.from_samples(
@@ -84,7 +85,9 @@ def build_batch(
         advantages=advantages,
         metrics=all_metrics,
     )
-    schedule = build_dp_schedule([int(x) for x in batch.total_lengths()], gbs, cfg.micro_batch_size, dp_size)
+    schedule = build_dp_schedule(
+        [int(x) for x in batch.total_lengths()], gbs, cfg.micro_batch_size, dp_size, cfg.max_tokens_per_gpu
+    )
     batch.metrics["rollout/num_steps"] = float(len(schedule.num_microbatches))
     return BuiltBatch(batch, split_by_dp(batch, schedule))
 

@@ -45,6 +45,7 @@ def test_response_tokens_are_predicted_from_the_previous_position() -> None:
     # hidden is [s, b, h]; sample 0 predicts 5 at position 2 and 6 at 3; sample 1 predicts 7, 8, 9 at 0, 1, 2
     assert mb.index.tolist() == [2 * b + 0, 3 * b + 0, 0 * b + 1, 1 * b + 1, 2 * b + 1]
     assert mb.targets.tolist() == [5, 6, 7, 8, 9]
+    assert mb.sample_index is not None and mb.sample_index.tolist() == [0, 0, 1, 1, 1]
     flat_tokens = mb.tokens.t().reshape(-1)  # the same [s, b] flattening as the hidden states
     assert (flat_tokens[mb.index + b] == mb.targets).all()  # one position later holds the target
     assert mb.advantages.tolist() == pytest.approx(
@@ -52,6 +53,27 @@ def test_response_tokens_are_predicted_from_the_previous_position() -> None:
     )  # seed step 39
     assert mb.position_ids.tolist()[1] == [0, 1, 2, 3, 4]
     assert mb.causal_mask().shape == (1, 1, 5, 5) and bool(mb.causal_mask()[0, 0, 0, 1])
+
+
+def test_packed_samples_are_one_sequence_with_per_sample_positions() -> None:
+    batch = _batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [0.9354, -0.9354])
+    padded = make_micro_batch(batch.rows(0, 2), "cpu")
+    mb = make_micro_batch(batch.rows(0, 2), "cpu", packed=True)
+    assert mb.tokens.tolist() == [[1, 2, 3, 5, 6, 4, 7, 8, 9]]  # no padding
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]  # RoPE restarts per sample
+    assert mb.packing is not None and mb.packing.qkv_format == "sbhd"
+    assert mb.packing.cu_seqlens_q.tolist() == [0, 5, 9] and mb.packing.cu_seqlens_q.dtype == torch.int32
+    assert mb.packing.bounds == (0, 5, 9) and mb.packing.max_seqlen_q == 5
+    # hidden is [T, 1, h]: sample 0 predicts 5, 6 at 2, 3; sample 1 predicts 7, 8, 9 at 5 + 0, 1, 2
+    assert mb.index.tolist() == [2, 3, 5, 6, 7]
+    assert (mb.tokens[0, mb.index + 1] == mb.targets).all()
+    for name in ("targets", "loss_mask", "advantages", "has_rollout_log_probs", "sample_index"):
+        assert torch.equal(getattr(mb, name), getattr(padded, name)), name  # same per-token arrays
+    assert (mb.micro_batch_size, mb.seq_length) == (1, 9)
+    assert (padded.micro_batch_size, padded.seq_length) == (2, 5)
+    assert mb.real_tokens == padded.real_tokens == mb.padded_tokens == 9 and padded.padded_tokens == 10
+    with pytest.raises(ValueError, match="padded micro-batches only"):
+        mb.causal_mask()
 
 
 def test_rollout_log_probs_are_marked_per_token() -> None:

@@ -15,7 +15,8 @@ What it does (each item is a CUDA site reached by a TP/PP/DP training step of 0.
   holds and gradient clipping works on CPU as on GPU;
 - ``torch.cuda.current_device`` returns the CPU device; ``synchronize`` / ``empty_cache`` do
   nothing; ``Stream`` / ``Event`` / ``current_stream`` / ``default_stream`` / ``stream`` are no-op
-  objects (``Stream`` and ``Event`` stay classes: transformers uses them in annotations).
+  objects (``Stream`` and ``Event`` stay classes: transformers uses them in annotations);
+- ``torch.cuda.get_rng_state`` returns an empty state (activation recomputation saves it).
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ def install_cpu_shim() -> None:
     cuda.stream = lambda *a, **k: _NoopStream()
     cuda.Stream = _NoopStream
     cuda.Event = _NoopStream
+    # Activation recomputation saves the CUDA RNG state with the CPU one (setting it back is a
+    # lazy call that never runs without CUDA); dropout is off, so an empty state loses nothing.
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     _CudaToCpu().__enter__()  # stays active for the rest of the process
     _installed = True
 

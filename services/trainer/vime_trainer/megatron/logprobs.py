@@ -5,9 +5,10 @@ of the batch (9 GB at 8 × 2048 tokens × 152k vocab). So only the hidden states
 response tokens are gathered, and they go through the output layer ``chunk_size`` tokens at a
 time; each chunk's logits are upcast to fp32, reduced to (log-prob, entropy), and dropped. While
 training, each chunk runs under activation checkpointing, so backward recomputes its logits
-instead of keeping every chunk's alive. Under TP each rank holds a vocabulary slice: the max, the
-normaliser and the target logit are combined with all-reduces that pass gradients straight
-through (the loss is replicated on every TP rank).
+instead of keeping every chunk's alive: no more than one chunk's ``[chunk, vocab]`` fp32 tensors
+exist at a time, for the log-probs and the entropy alike. Under TP each rank holds a vocabulary
+slice: the max, the normaliser and the target logit are combined with all-reduces that pass
+gradients straight through (the loss is replicated on every TP rank).
 
 The distribution is the one the engines sample from: logits divided by the rollout temperature
 (as slime does), so the PPO ratio and the train/inference mismatch compare like with like — the
@@ -20,18 +21,31 @@ truncated distribution, and the mismatch metric shows the renormalisation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
+
+LOGPROBS_RANGE = "vime/logprobs"
+"""Profiler range around each chunk's output layer and log-prob/entropy computation."""
 
 
 def token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float = 1.0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(target), entropy) per row of vocab-parallel ``logits [n, vocab/tp]`` / ``temperature``; fp32."""
+    """(log p(target), entropy) per row of vocab-parallel ``logits [n, vocab/tp]`` / ``temperature``; fp32.
+
+    With ``entropy_grad`` False the entropy is a metric only: computed without autograd, so it adds
+    no saved tensors and no backward work.
+    """
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -42,7 +56,8 @@ def token_stats(
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - local_max.unsqueeze(-1)
     exp = shifted.exp()
-    log_norm = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1).contiguous()).log()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1).contiguous())
+    log_norm = sum_exp.log()
     vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
     local_target = targets - vocab_start
     in_range = (local_target >= 0) & (local_target < logits.shape[-1])
@@ -51,9 +66,15 @@ def token_stats(
     log_probs = target_logit - log_norm
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
-    probs = exp / log_norm.exp().unsqueeze(-1)
-    expected = reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1).contiguous())
-    return log_probs, log_norm - expected
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # H = log Z − Σ p·shifted, with Σ p·shifted = Σ exp·shifted / Z (summed over TP's slices).
+        weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1).contiguous())
+        return log_probs, log_norm - weighted / sum_exp
+
+
+@cache
+def _compiled_token_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return torch.compile(token_stats, dynamic=True)
 
 
 def response_log_probs(
@@ -65,20 +86,26 @@ def response_log_probs(
     with_entropy: bool = False,
     *,
     temperature: float,
+    entropy_grad: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[R]`` of the response tokens of a micro-batch, at ``temperature``.
 
-    ``hidden`` is the last stage's ``[s, b, h]``; ``index`` holds, for each response token, the flat
-    ``position·b + row`` of the hidden state that predicts it, and ``targets`` the token ids.
+    ``hidden`` is the last stage's hidden states (``[s, b, h]``, or ``[T, 1, h]`` packed);
+    ``index`` holds, for each response token, the flat index of the hidden state that predicts it,
+    and ``targets`` the token ids. ``entropy_grad`` False computes the entropy as a metric only;
+    ``compiled`` runs `token_stats` through ``torch.compile``.
     """
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / T need T > 0 (T = 0 is greedy)")
     flat = hidden.reshape(-1, hidden.shape[-1])
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+    stats = _compiled_token_stats() if compiled else token_stats
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = output_logits(h.unsqueeze(1)).squeeze(1)
-        return token_stats(logits, t, with_entropy, temperature)
+        with record_function(LOGPROBS_RANGE):
+            logits = output_logits(h.unsqueeze(1)).squeeze(1)
+            return stats(logits, t, with_entropy, temperature, entropy_grad)
 
     log_probs, entropies = [], []
     for start in range(0, index.numel(), chunk_size):

@@ -45,6 +45,8 @@ class LossSettings:
     chunk_size: int
     temperature: float
     """The rollout temperature (> 0): log-probs are of logits / temperature."""
+    compile_logprobs: bool = False
+    """Run the per-chunk log-prob/entropy computation through torch.compile."""
 
     @property
     def schedule_scale(self) -> float:
@@ -63,7 +65,11 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
 def _aggregate(mb: MicroBatch, settings: LossSettings) -> Callable[[torch.Tensor], torch.Tensor]:
     def agg(values: torch.Tensor) -> torch.Tensor:
         return sample_mean_of_token_means(
-            values, mb.loss_mask, mb.response_lengths, num_samples=settings.global_batch_size
+            values,
+            mb.loss_mask,
+            mb.response_lengths,
+            num_samples=settings.global_batch_size,
+            sample_index=mb.sample_index,
         )
 
     return agg
@@ -72,7 +78,8 @@ def _aggregate(mb: MicroBatch, settings: LossSettings) -> Callable[[torch.Tensor
 def mismatch_counts(train_log_probs: torch.Tensor, mb: MicroBatch) -> Metrics:
     """Sums behind the train/inference log-prob mismatch (tokens with rollout log-probs only)."""
     sel = mb.has_rollout_log_probs & (mb.loss_mask > 0)
-    diff = (train_log_probs.detach() - mb.rollout_log_probs).abs()[sel]
+    # A mask, not boolean indexing: indexing would wait for the GPU in every micro-batch.
+    diff = torch.where(sel, (train_log_probs.detach() - mb.rollout_log_probs).abs(), 0.0)
     return {
         "mismatch_abs_sum": diff.sum(),
         "mismatch_above_count": (diff > MISMATCH_THRESHOLD).sum().to(torch.float32),
@@ -102,6 +109,8 @@ def policy_loss(
         settings.chunk_size,
         with_entropy=True,
         temperature=settings.temperature,
+        entropy_grad=bool(settings.entropy_coef),
+        compiled=settings.compile_logprobs,
     )
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     ppo_kl = old - log_probs
@@ -138,7 +147,13 @@ def sft_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """Cross-entropy on the response (label) tokens: the supervised warm-up before RL."""
     log_probs, _ = response_log_probs(
-        output_logits, hidden, mb.index, mb.targets, settings.chunk_size, temperature=1.0
+        output_logits,
+        hidden,
+        mb.index,
+        mb.targets,
+        settings.chunk_size,
+        temperature=1.0,
+        compiled=settings.compile_logprobs,
     )
     loss = _aggregate(mb, settings)(-log_probs)
     return loss * settings.schedule_scale, {"loss": loss.detach(), "tokens": mb.loss_mask.sum().detach()}
@@ -150,9 +165,10 @@ def forward_log_probs(
     mb: MicroBatch,
     chunk_size: int,
     temperature: float,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """No-grad log-probs of one micro-batch (old or reference log-probs) at ``temperature``, as data."""
     log_probs, _ = response_log_probs(
-        output_logits, hidden, mb.index, mb.targets, chunk_size, temperature=temperature
+        output_logits, hidden, mb.index, mb.targets, chunk_size, temperature=temperature, compiled=compiled
     )
     return hidden.new_zeros(()), {"log_probs": log_probs.detach()}

@@ -3,8 +3,10 @@
 `PolicyModel` is megatron-core's ``GPTModel`` whose last pipeline stage returns the final hidden
 states instead of full-vocabulary logits: RL needs the log-probs of response tokens only, and
 `logprobs` computes them in chunks from the hidden states (``output_logits`` applies the
-vocab-parallel output layer to whatever positions it is given). The same code runs on GPU (bf16
-parameters, SDPA attention) and on CPU (fp32, the CPU shim).
+vocab-parallel output layer to whatever positions it is given). For packed micro-batches
+(`micro_batch.PackedSamples`) it gives each token the RoPE frequencies of its position within its
+own sample. The same code runs on GPU (bf16 parameters, SDPA attention) and on CPU (fp32, the CPU
+shim).
 """
 
 from __future__ import annotations
@@ -29,6 +31,19 @@ from vime_trainer.weights.tp_layout import shard
 class PolicyModel(GPTModel):
     """GPTModel returning hidden states ``[s, b, h]`` on every stage (final norm applied on the last)."""
 
+    def _preprocess(self, **kwargs: Any) -> Any:
+        """Megatron's embedding and RoPE; for packed samples, RoPE at each token's ``position_ids``.
+
+        Megatron computes the frequencies of positions ``0..max_seqlen−1`` (``[max_seqlen, 1, 1,
+        d]``); gathering them by the per-sample positions gives the ``[T, 1, 1, d]`` frequencies it
+        then applies to the packed ``[T, 1, heads, d]`` queries and keys like any ``[s, b]`` batch.
+        """
+        out = super()._preprocess(**kwargs)
+        if kwargs.get("packed_seq_params") is None or out[1] is None:
+            return out
+        per_token = out[1].index_select(0, kwargs["position_ids"].reshape(-1))
+        return (out[0], per_token, *out[2:])
+
     def _postprocess(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_states
 
@@ -46,9 +61,20 @@ def params_dtype(trainer: TrainerConfig, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if on_gpu and trainer.bf16 else torch.float32
 
 
-def transformer_config(arch: Architecture, info: RankInfo, dtype: torch.dtype) -> TransformerConfig:
-    """Megatron's config for ``arch``: RMSNorm, SwiGLU, RoPE, GQA, no dropout, no fused kernels."""
+def transformer_config(
+    arch: Architecture, info: RankInfo, dtype: torch.dtype, recompute_activations: bool = False
+) -> TransformerConfig:
+    """Megatron's config for ``arch``: RMSNorm, SwiGLU, RoPE, GQA, no dropout, no fused kernels.
+
+    ``recompute_activations``: Megatron's full recomputation, one layer per checkpoint (backward
+    reruns each layer's forward instead of keeping its activations).
+    """
     on_gpu = info.device.startswith("cuda")
+    recompute: dict[str, Any] = (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        if recompute_activations
+        else {}
+    )
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -81,26 +107,47 @@ def transformer_config(arch: Architecture, info: RankInfo, dtype: torch.dtype) -
         pipeline_model_parallel_size=info.pp_size,
         variable_seq_lengths=info.pp_size > 1,  # micro-batches are padded to their own longest sample
         moe_token_dispatcher_type="alltoall",  # dense model; the default refuses variable_seq_lengths
+        **recompute,
     )
 
 
-def layer_spec(arch: Architecture, use_sdpa: bool) -> ModuleSpec:
-    """The local (non-TransformerEngine) layer spec, with SDPA core attention when asked."""
+def layer_spec(arch: Architecture, use_sdpa: bool, packed_kernel: str = "segments") -> ModuleSpec:
+    """The local (non-TransformerEngine) layer spec, with SDPA core attention when asked.
+
+    ``packed_kernel`` is the SDPA module's kernel for packed micro-batches (`sdpa.PACKED_KERNELS`).
+    """
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     if use_sdpa:
         from vime_trainer.megatron.sdpa import SDPAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=SDPAttention, params={"packed_kernel": packed_kernel}
+        )
     return spec
+
+
+def compile_layers(model: PolicyModel) -> None:
+    """``torch.compile`` each layer's MLP and norms in place (fuses SwiGLU and RMSNorm's elementwise work)."""
+    for layer in model.decoder.layers:
+        layer.mlp.compile()
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            getattr(layer, name).compile()
+        for name in ("q_layernorm", "k_layernorm"):
+            norm = getattr(layer.self_attention, name, None)
+            if norm is not None:
+                norm.compile()
 
 
 def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> PolicyModel:
     """This rank's model shard on its device (weights uninitialised until loaded)."""
+    from vime_trainer.megatron.sdpa import resolve_packed_kernel
+
     arch.check_parallel(info.tp_size, info.pp_size)
-    dtype = params_dtype(trainer, info.device.startswith("cuda"))
+    on_gpu = info.device.startswith("cuda")
+    dtype = params_dtype(trainer, on_gpu)
     model = PolicyModel(
-        transformer_config(arch, info, dtype),
-        layer_spec(arch, trainer.use_sdpa),
+        transformer_config(arch, info, dtype, trainer.recompute_activations),
+        layer_spec(arch, trainer.use_sdpa, resolve_packed_kernel(trainer.packed_attention, on_gpu)),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=info.is_first_stage,
@@ -112,7 +159,10 @@ def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> P
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
-    return one_param_dtype(model.to(info.device), dtype)
+    one_param_dtype(model.to(info.device), dtype)  # in place
+    if trainer.compile_layers:
+        compile_layers(model)
+    return model
 
 
 def one_param_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

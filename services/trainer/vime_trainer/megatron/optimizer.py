@@ -22,12 +22,15 @@ from vime.config import TrainerConfig
 from vime_trainer.megatron.model import PolicyModel
 
 
-def wrap_ddp(model: PolicyModel) -> DistributedDataParallel:
-    """DDP with fp32 gradient reduction; gradients are all-reduced by ``finalize_model_grads``."""
+def wrap_ddp(model: PolicyModel, grad_reduce_in_fp32: bool = True) -> DistributedDataParallel:
+    """DDP whose gradients are accumulated and all-reduced (by ``finalize_model_grads``) in fp32,
+    or in the parameter dtype when ``grad_reduce_in_fp32`` is False."""
     ddp = DistributedDataParallel(
         config=model.config,
         ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=False,
         ),
         module=model,
     )
@@ -36,7 +39,12 @@ def wrap_ddp(model: PolicyModel) -> DistributedDataParallel:
 
 
 def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig, dtype: torch.dtype) -> Any:
-    """Megatron Adam over the DDP model's parameters, with grad-norm clipping at ``trainer.clip_grad``."""
+    """Megatron Adam over the DDP model's parameters, with grad-norm clipping at ``trainer.clip_grad``.
+
+    Without TransformerEngine or Apex, Megatron's Adam is ``torch.optim.AdamW`` with its default
+    multi-tensor (foreach) step; ``trainer.fused_adam`` switches its parameter groups to torch's
+    fused kernel before the first step creates any state.
+    """
     config = OptimizerConfig(
         optimizer="adam",
         lr=trainer.lr,
@@ -49,4 +57,9 @@ def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig, dtype:
         params_dtype=dtype,
         use_distributed_optimizer=False,
     )
-    return get_megatron_optimizer(config, [ddp])
+    optimizer = get_megatron_optimizer(config, [ddp])
+    if trainer.fused_adam:
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for group in inner.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+    return optimizer

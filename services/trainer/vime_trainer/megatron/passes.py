@@ -16,9 +16,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.profiler import record_function
 
 from vime_trainer.megatron.micro_batch import MicroBatch
 from vime_trainer.megatron.model import PolicyModel
+
+OPTIMIZER_RANGE = "vime/optimizer"
+"""Profiler range around the optimizer step (grad norm, clipping, Adam, copy to bf16 weights)."""
 
 # (micro-batch index, micro-batch, hidden states) -> (loss, data) on the last stage.
 LossFn = Callable[[int, MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -36,11 +40,13 @@ class Passes:
     def model(self) -> PolicyModel:
         return self.ddp.module
 
-    def _run(self, mbs: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+    def run(self, mbs: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Any]]:
+        """Forward (and backward unless ``forward_only``) over ``mbs``; no optimizer step."""
+
         def forward_step(data: Iterator[tuple[int, MicroBatch]], model: Any) -> tuple[torch.Tensor, Any]:
             k, mb = next(data)
             mask = mb.causal_mask() if self.use_local_attention else None
-            hidden = model(mb.tokens, mb.position_ids, mask)
+            hidden = model(mb.tokens, mb.position_ids, mask, packed_seq_params=mb.packing)
             return hidden, lambda out: loss_fn(k, mb, out)
 
         return get_forward_backward_func()(
@@ -49,7 +55,7 @@ class Passes:
             model=[self.ddp],
             num_microbatches=len(mbs),
             seq_length=max(mb.seq_length for mb in mbs),
-            micro_batch_size=max(mb.num_samples for mb in mbs),
+            micro_batch_size=max(mb.micro_batch_size for mb in mbs),
             forward_only=forward_only,
         )
 
@@ -58,7 +64,7 @@ class Passes:
         self.ddp.eval()
         try:
             with torch.no_grad():
-                return self._run(mbs, loss_fn, forward_only=True)
+                return self.run(mbs, loss_fn, forward_only=True)
         finally:
             self.ddp.train()
 
@@ -66,8 +72,9 @@ class Passes:
         """Forward/backward over ``mbs``, then one optimizer step; returns the summed metrics."""
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(mbs, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        outputs = self.run(mbs, loss_fn, forward_only=False)
+        with record_function(OPTIMIZER_RANGE):
+            ok, grad_norm, _ = self.optimizer.step()
         metrics = reduce_metrics(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["step_ok"] = float(bool(ok))

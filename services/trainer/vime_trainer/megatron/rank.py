@@ -68,7 +68,7 @@ class TrainRank:
         model = model_lib.build_model(self.arch, c.trainer, self.info)
         model_lib.load_hf_weights(model, self.arch, self.hf_checkpoint, self.info)
         self.dtype = model_lib.params_dtype(c.trainer, self.info.device.startswith("cuda"))
-        self.ddp = wrap_ddp(model)
+        self.ddp = wrap_ddp(model, c.trainer.grad_reduce_in_fp32)
         self.optimizer = build_optimizer(self.ddp, c.trainer, self.dtype)
         self.layer_offset = model_lib.layer_offset(self.arch, self.info)
         self.backup = WeightBackup(self.ddp)

@@ -45,5 +45,11 @@ def sft_rank_batches(
         weight_version=0,
         advantages=[0.0] * len(samples),
     )
-    schedule = build_dp_schedule(batch.total_lengths().tolist(), gbs, config.micro_batch_size, config.dp_size)
+    schedule = build_dp_schedule(
+        batch.total_lengths().tolist(),
+        gbs,
+        config.micro_batch_size,
+        config.dp_size,
+        config.max_tokens_per_gpu,
+    )
     return split_by_dp(batch, schedule)

@@ -17,6 +17,7 @@ from itertools import accumulate
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from vime.algorithms import can_reuse_log_probs_in_loss
 from vime.batch import RankBatch
@@ -27,6 +28,8 @@ from vime_trainer.megatron.micro_batch import MicroBatch, make_micro_batch
 from vime_trainer.megatron.passes import Passes
 
 StepMetrics = dict[str, float]
+MICRO_BATCH_RANGE = "vime/micro_batches"
+"""Profiler range around building a batch's micro-batch tensors on the host and copying them over."""
 
 
 class TrainStep:
@@ -42,9 +45,15 @@ class TrainStep:
         self.dp_size = dp_size
 
     def micro_batches(self, batch: RankBatch) -> list[MicroBatch]:
+        """The batch's micro-batches on the device, padded or packed (``trainer.packed_sequences``)."""
         if batch.dp_size != self.dp_size:
             raise ValueError(f"batch is split for dp_size={batch.dp_size} but the trainer has {self.dp_size}")
-        return [make_micro_batch(batch.micro_batch(k), self.device) for k in range(len(batch.micro_batches))]
+        packed = self.config.trainer.packed_sequences
+        with record_function(MICRO_BATCH_RANGE):
+            return [
+                make_micro_batch(batch.micro_batch(k), self.device, packed)
+                for k in range(len(batch.micro_batches))
+            ]
 
     def settings(self, batch: RankBatch, num_microbatches: int) -> LossSettings:
         c = self.config
@@ -60,15 +69,21 @@ class TrainStep:
             dp_size=self.dp_size,
             chunk_size=c.trainer.logprob_chunk_size,
             temperature=c.rollout_temperature,
+            compile_logprobs=c.trainer.compile_logprobs,
         )
 
     def log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """No-grad log-probs of every micro-batch with the current weights (last stage; [] elsewhere)."""
-        chunk, temperature = self.config.trainer.logprob_chunk_size, self.config.rollout_temperature
+        t, temperature = self.config.trainer, self.config.rollout_temperature
         outputs = self.passes.forward_only(
             mbs,
             lambda k, mb, hidden: forward_log_probs(
-                self.passes.model.output_logits, hidden, mb, chunk, temperature
+                self.passes.model.output_logits,
+                hidden,
+                mb,
+                t.logprob_chunk_size,
+                temperature,
+                t.compile_logprobs,
             ),
         )
         return [o["log_probs"] for o in outputs]
