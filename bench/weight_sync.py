@@ -153,8 +153,8 @@ def start_reference_engines(model: Path, n: int, logs: Path) -> tuple[list[procs
 def tmpfs_round_trip(group: Any, directory: str | None) -> float:
     """Write + read the same buckets in this process: the tmpfs floor."""
     import torch
+    from vime_trainer.weights.bucket_files import read_bucket, write_bucket
     from vime_trainer.weights.buckets import pack_buckets
-    from vime_trainer.weights.shm import read_bucket, write_bucket
 
     tensors = [(n, torch.tensor(a)) for n, a in group.call("hf_state_dict")[0].items()]
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def tmpfs_round_trip(group: Any, directory: str | None) -> float:
 def run_shm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from vime_trainer.megatron.actor_group import ActorGroup
     from vime_trainer.weight_sync import WeightSync
-    from vime_trainer.weight_sync.shm import ShmTransport
+    from vime_trainer.weight_sync.shm_transport import ShmTransport
 
     model = build_tiny_qwen3(work / "model", args.size)
     directory = str(args.dir) if args.dir else None

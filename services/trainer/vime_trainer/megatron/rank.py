@@ -18,7 +18,7 @@ import torch
 from vime.batch import RankBatch
 from vime.config import RunConfig
 from vime_trainer.weights.architecture import Architecture
-from vime_trainer.weights.shm import write_bucket
+from vime_trainer.weights.bucket_files import write_bucket
 
 
 class TrainRank:

@@ -1,4 +1,4 @@
-"""Weight sync: vLLM's update protocol (`protocol`) over a transport (`shm`, `ipc`).
+"""Weight sync: vLLM's update protocol (`protocol`) over a transport (`shm_transport`, `ipc`).
 
 `make_transport` picks one: ``ipc`` when the trainer ranks share GPUs with the engines
 (colocated, on GPUs), ``shm`` otherwise (CPU hosts, or engines on other GPUs/hosts that share a
@@ -38,6 +38,6 @@ def make_transport(cfg: RunConfig, backend: Any) -> WeightTransport:
         from vime_trainer.weight_sync.ipc import IpcTransport
 
         return IpcTransport(backend, packed=cfg.trainer.ipc_packed)
-    from vime_trainer.weight_sync.shm import ShmTransport
+    from vime_trainer.weight_sync.shm_transport import ShmTransport
 
     return ShmTransport(backend, cfg.trainer.weight_dir)
