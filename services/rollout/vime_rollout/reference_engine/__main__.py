@@ -53,6 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what the reported log-probs are, as vLLM's flag: before temperature and top-k/top-p "
         "(raw_logprobs, the default) or of the distribution sampled from (processed_logprobs)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights and KV cache dtype (vLLM's --dtype); pushed weights are cast to it",
+    )
+    p.add_argument(
+        "--worker-extension-cls",
+        default=None,
+        help="module.Class mixed into the engine's worker, its methods callable by POST /collective_rpc "
+        "(vLLM's flag; vime's direct weight load: vime_rollout.vllm_ext.direct_load.DirectLoadExtension)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -73,10 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     from .model_runner import ModelRunner
     from .server import run
     from .tokenizer import load_tokenizer
+    from .worker import build_worker
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = ModelRunner(args.model, max_slots=args.max_batch, max_model_len=args.max_model_len)
+    runner = ModelRunner(
+        args.model,
+        max_slots=args.max_batch,
+        max_model_len=args.max_model_len,
+        dtype=getattr(torch, args.dtype),
+    )
+    worker = build_worker(runner, args.worker_extension_cls)
     smallest = runner.kv.projected_nbytes(1, runner.max_model_len)
     if smallest > args.kv_cache_memory_bytes:
         raise SystemExit(
@@ -97,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_cache_bytes=args.kv_cache_memory_bytes,
             decode_text=tokenizer.decode,
             logprobs_mode=args.logprobs_mode,
+            worker=worker,
         )
 
     run(build_app(core, served), args.host, args.port, args.log_level)
