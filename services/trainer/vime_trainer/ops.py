@@ -75,6 +75,8 @@ class RunOps:
         """What the engines held when this run (re)started (`should_flush_cache`)."""
         self.sync: WeightSync | None = None
         self.batches: BatchReader | None = None
+        self.push_metrics: dict[str, float] = {}
+        """The last push's pause → resume seconds and each of its phases (``weights/<phase>_s``)."""
 
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
     async def wait_rollout_manager(self, timeout_s: float = 900.0) -> list[EngineInfo]:
@@ -207,7 +209,19 @@ class RunOps:
                 with contextlib.suppress(Exception):
                     await self.rollout.release_update_lock(lease.lease_id)
         self.version = self.ctx.status.weight_version = version
-        self.events.record("weights.loaded", version=version, buckets=report.buckets, nbytes=report.nbytes)
+        phases = {k: round(v, 4) for k, v in report.phases.items()}
+        self.events.record(
+            "weights.loaded",
+            version=version,
+            buckets=report.buckets,
+            nbytes=report.nbytes,
+            weight_load=report.weight_load,
+            seconds=round(report.seconds, 4),
+            phases=phases,
+        )
+        self.push_metrics = {"weights/push_s": report.seconds} | {
+            f"weights/{k}_s": v for k, v in phases.items()
+        }
         return PushResult(
             version=version,
             flushed=flush,
@@ -216,6 +230,8 @@ class RunOps:
             buckets=report.buckets,
             bytes=report.nbytes,
             seconds=report.seconds,
+            weight_load=report.weight_load,
+            phases=phases,
         )
 
     def _stale(self, engine: EngineInfo) -> bool:
@@ -277,6 +293,8 @@ class RunOps:
     async def close(self) -> None:
         if self.batches is not None:
             await self.batches.aclose()
+        if self.sync is not None:
+            await self.sync.aclose()  # the direct load's staging buffers, while the ranks still run
         await asyncio.to_thread(self.backend.shutdown)
 
 
