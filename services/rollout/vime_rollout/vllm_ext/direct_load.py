@@ -160,6 +160,8 @@ def copy_into(
 class DirectLoadExtension:
     """Mixed into the engine's worker by ``--worker-extension-cls`` (``self`` is the worker)."""
 
+    _vime_direct: DirectSession | None = None
+
     def _vime_model(self) -> torch.nn.Module:
         """The bare model (not a CUDA-graph or compile wrapper), as vLLM's own weight transfer gets it."""
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -214,5 +216,5 @@ class DirectLoadExtension:
 
     def vime_direct_close(self) -> dict[str, Any]:
         """Drop the buffers (the trainer frees its side once every engine let go)."""
-        self._vime_direct: DirectSession | None = None
+        self._vime_direct = None
         return {"closed": True}
