@@ -257,6 +257,9 @@ def sync_table(title: str, rounds: list[dict[str, Any]]) -> None:
     ]:
         table.add_column(col, justify="right")
     for i, r in enumerate(rounds):
+        if "error" in r:
+            table.add_row(str(i), "failed", r["error"][:60])
+            continue
         table.add_row(
             str(i),
             str(r["buckets"]),
@@ -271,9 +274,12 @@ def sync_table(title: str, rounds: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
-def sync_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def sync_summary(all_rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds that went through (a failed round has ``error`` instead of figures)."""
+    rounds = [r for r in all_rounds if "error" not in r]
+    failed = len(all_rounds) - len(rounds)
     if not rounds:
-        return {}
+        return {"failed_rounds": failed, "rounds": all_rounds} if all_rounds else {}
     sync = statistics.median(r["sync_s"] for r in rounds)
     base = statistics.median(r["baseline_s"] for r in rounds)
     nbytes = rounds[0]["bytes"]
@@ -288,7 +294,8 @@ def sync_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             k: round(statistics.median(r["phases"].get(k, 0.0) for r in rounds), 4)
             for k in rounds[0]["phases"]
         },
-        "rounds": rounds,
+        "failed_rounds": failed,
+        "rounds": all_rounds,
     }
 
 
