@@ -83,14 +83,15 @@ def test_seed_step_19_request_shape(tokenizer: Any) -> None:
     cfg = _cfg(rollout_max_response_len=1024, rollout_max_context_len=4096)
     state = _state(cfg, tokenizer, FakeGenerator(), FakeScorer(lambda s: 1))
     sample = Sample(tokens=list(range(200)))
-    assert request_payload(state, sample, 1024, 1) == {
+    assert request_payload(state, sample, 1024, 0) == {
         "model": "tiny",
         "token_ids": list(range(200)),
         "sampling_params": {
             "max_tokens": 1024,
             "temperature": 1.0,
             "top_p": 1.0,
-            "logprobs": 1,
+            "logprobs": 0,
+            "flat_logprobs": True,
             "top_k": -1,
             "skip_special_tokens": False,
             "spaces_between_special_tokens": False,
@@ -102,12 +103,14 @@ def test_seed_step_19_request_shape(tokenizer: Any) -> None:
 
 def test_logprobs_only_when_consumed() -> None:
     assert logprobs_wanted(_cfg(), 0) is None
-    assert logprobs_wanted(_cfg(use_rollout_logprobs=True), 0) == 1
-    assert logprobs_wanted(_cfg(get_mismatch_metrics=True), 5) == 1
+    assert logprobs_wanted(_cfg(use_rollout_logprobs=True), 0) == 0  # the sampled token's only
+    assert logprobs_wanted(_cfg(get_mismatch_metrics=True), 5) == 0
     assert logprobs_wanted(_cfg(score_centering_top_k=4), 5) == 5
-    picked = [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g)]
+    picked = [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g) is not None]
     assert 400 < len(picked) < 600
-    assert picked == [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g)]
+    assert picked == [
+        g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g) is not None
+    ]
 
 
 def test_four_prompts_times_eight_samples(tokenizer: Any) -> None:
