@@ -132,6 +132,23 @@ def test_four_prompts_times_eight_samples(tokenizer: Any) -> None:
     assert out.aborted_groups == []
 
 
+def test_the_rollout_times_its_parts(tokenizer: Any) -> None:
+    """``rollout/t_*``: sends, replies, rewards and the last group, in the order they must happen."""
+    from vime_rollout.rollout.metrics import rollout_metrics
+
+    cfg = _cfg(rollout_batch_size=8)
+    state = _state(cfg, tokenizer, FakeGenerator(delay_s=0.01), FakeScorer(lambda s: 1), concurrency=16)
+    out = _run(state, _source(cfg, tokenizer))
+    m = rollout_metrics(out.groups, state.counters, out.wall_s)
+    t = {
+        k.removeprefix("rollout/t_").removesuffix("_s"): v for k, v in m.items() if k.startswith("rollout/t_")
+    }
+    assert t["first_request"] <= t["last_request"] <= t["last_response"] <= t["last_group"] <= out.wall_s
+    assert t["first_request"] <= t["first_response"] <= t["median_response"] <= t["last_response"]
+    assert t["reward_total"] > 0 and t["reward_tail"] == t["last_group"] - t["last_response"]
+    assert t["abort"] >= 0 and len(state.counters.clock.responses) == 64
+
+
 def test_semaphore_bounds_requests_in_flight(tokenizer: Any) -> None:
     cfg = _cfg(rollout_batch_size=8)
     gen = FakeGenerator(delay_s=0.01)
