@@ -104,11 +104,11 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_rollout",
-            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs",
+            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (the seed's and the manager's form), the gap by part",
             _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024"),
             _args("bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16"),
-            timeout_s=330,
-            expect_s=220,
+            timeout_s=420,
+            expect_s=260,
         ),
         Step(
             "bench_train",
