@@ -8,8 +8,9 @@
 - `bench_batch` / `split_batch` / `timed_steps` / `train_flops`: a random training batch, its DP
   split, timed GRPO steps on started trainer ranks, and their FLOPs (`train_step.py` uses them too);
 - `train_steps`: all of that at once, with MFU;
-- `manager_payloads` / `direct_round`: the rollout manager's own generate requests, sent straight
-  to the engines (the "direct" side of a rollout comparison; `rollout_overhead.py` uses them too);
+- `manager_payloads` / `direct_round` / `gap_parts`: the rollout manager's own generate requests,
+  sent straight to the engines (the "direct" side of a rollout comparison; `rollout_overhead.py`
+  uses them too), and where a rollout's extra time over it goes;
 - `write_prompts`: prompt files.
 """
 
@@ -235,10 +236,11 @@ def manager_payloads(
 
 
 async def direct_round(
-    urls: list[str], payloads: list[dict[str, Any]], concurrency: int
+    urls: list[str], payloads: list[dict[str, Any]], concurrency: int, replies: list[float] | None = None
 ) -> tuple[int, float]:
     """All payloads straight to the engines (round-robin, ``concurrency`` in flight) with the HTTP
-    client the manager uses towards the router; (generated tokens, seconds)."""
+    client the manager uses towards the router; (generated tokens, seconds). ``replies`` gets the
+    time of each reply from the start, as the rollout's ``rollout/t_*_response_s``."""
     from vime.clients.router import RouterDataClient
     from vime.wire.vllm import GENERATE_PATH
 
@@ -249,15 +251,46 @@ async def direct_round(
     async def one(payload: dict[str, Any], client: RouterDataClient) -> int:
         async with sem:
             out = await client.post(GENERATE_PATH, payload)
+            if replies is not None:
+                replies.append(time.perf_counter() - t0)
             return len(out["choices"][0]["token_ids"])
 
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         tokens = await asyncio.gather(*(one(p, next(targets)) for p in payloads))
         return sum(tokens), time.perf_counter() - t0
     finally:
         for c in clients:
             await c.aclose()
+
+
+def gap_parts(
+    metrics: dict[str, float], e2e_s: float, direct_s: float, direct_replies: list[float]
+) -> dict[str, float]:
+    """Where a rollout's time beyond a direct round of the same requests goes (seconds), from the
+    rollout's own ``rollout/t_*_s`` metrics: before the first send, replies landing later than
+    direct ones (router, engine), rewards after the last reply, the loop's end (abort), the engines'
+    counters, batch build and publish, and what is left (HTTP, the job, the client)."""
+
+    def t(name: str) -> float:
+        return float(metrics.get(f"rollout/t_{name}_s", 0.0))
+
+    wall = float(metrics.get("rollout/wall_s", 0.0))
+    around = t("engine_metrics") + t("build") + t("publish")
+    parts = {
+        "total": e2e_s - direct_s,
+        "before_first_request": t("first_request"),
+        "send_spread": t("last_request") - t("first_request"),
+        "first_reply_later": t("first_response") - t("first_request") - min(direct_replies, default=0.0),
+        "last_reply_later": t("last_response") - t("first_request") - max(direct_replies, default=direct_s),
+        "reward_tail": t("reward_tail"),
+        "after_last_group": wall - t("last_group"),
+        "engine_metrics": t("engine_metrics"),
+        "build": t("build"),
+        "publish": t("publish"),
+        "outside_the_job": e2e_s - wall - around,
+    }
+    return {k: round(v, 4) for k, v in parts.items()}
 
 
 # --- weight-sync rounds -----------------------------------------------------------------------
@@ -278,6 +311,9 @@ def sync_table(title: str, rounds: list[dict[str, Any]]) -> None:
     ]:
         table.add_column(col, justify="right")
     for i, r in enumerate(rounds):
+        if "error" in r:
+            table.add_row(str(i), "failed", r["error"][:60])
+            continue
         table.add_row(
             str(i),
             str(r["buckets"]),
@@ -292,9 +328,12 @@ def sync_table(title: str, rounds: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
-def sync_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def sync_summary(all_rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds that went through (a failed round has ``error`` instead of figures)."""
+    rounds = [r for r in all_rounds if "error" not in r]
+    failed = len(all_rounds) - len(rounds)
     if not rounds:
-        return {}
+        return {"failed_rounds": failed, "rounds": all_rounds} if all_rounds else {}
     sync = statistics.median(r["sync_s"] for r in rounds)
     base = statistics.median(r["baseline_s"] for r in rounds)
     nbytes = rounds[0]["bytes"]
@@ -309,7 +348,8 @@ def sync_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             k: round(statistics.median(r["phases"].get(k, 0.0) for r in rounds), 4)
             for k in rounds[0]["phases"]
         },
-        "rounds": rounds,
+        "failed_rounds": failed,
+        "rounds": all_rounds,
     }
 
 

@@ -7,17 +7,21 @@ shape, CUDA graphs on, sleep mode and the IPC transfer config on, as colocated e
 With dummy weights the next-token distribution is near-uniform over 151,936 ids, so EOS almost
 never comes and responses run to ``--max-tokens`` on both sides.
 
-Per variant — with per-token log-probs (``logprobs: 1``, what rollout-logprob training and the
-mismatch metrics need) and without — the same requests (the manager's own request builder,
-seed step 19) are sent:
+Per variant — with per-token log-probs (what rollout-logprob training and the mismatch metrics
+need) and without — the same requests (the manager's own request builder, seed step 19) are sent:
 
-- ``direct``: straight to the engine with the manager's HTTP client, nothing else;
+- ``direct``: straight to the engine with the manager's HTTP client, nothing else; with log-probs
+  in both forms: the manager's (``logprobs: 0, flat_logprobs: true``) and the seed's
+  (``logprobs: 1``), which read the same (tests/contract);
 - ``manager``: ``POST /v1/rollouts`` on a rollout manager (engine given as external) → router
   (vllm-router) → engine, rewards, batch building, Redis publish. Its generation-phase
-  throughput (``rollout/wall_s``) and end-to-end throughput (the whole POST) are both reported.
+  throughput (``rollout/wall_s``) and end-to-end throughput (the whole POST) are both reported,
+  and its extra time over the direct round, part by part (`gpu_common.gap_parts`, from the
+  rollout's own ``rollout/t_*`` metrics).
 
-Printed: output tokens/s of each side and manager / direct (goal ≥ 0.97). Raw vLLM 0.26 on one
-H200 did ~9k tok/s with log-probs and ~27k without (notes/gpu_baselines.md).
+Printed: output tokens/s of each side and manager / direct (goal ≥ 0.98), the manager's form of
+log-probs over the seed's, and the manager with log-probs over direct without (goal ≥ 0.8). Raw
+vLLM 0.26 on one H200 did ~9k tok/s with ``logprobs: 1`` and ~27k without (notes/gpu_baselines.md).
 
     python bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024
     python bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16   # CPU
@@ -40,6 +44,7 @@ from gpu_common import (
     console,
     direct_round,
     emit,
+    gap_parts,
     manager_payloads,
     start_engine,
     wait_engine,
@@ -54,6 +59,7 @@ from vime import procs
 from vime.clients.rollout import RolloutClient
 from vime.config import load_config
 from vime.models.tiny import QWEN3_SHAPES, SHAPES
+from vime.wire.vllm import logprobs_to_request
 
 TOKEN = "bench-token"
 N = 8
@@ -66,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", default="qwen3-0.6b", choices=[*SHAPES, *QWEN3_SHAPES])
     p.add_argument("--samples", type=int, default=256, help="a multiple of 8 (prompts × 8)")
     p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=1, help="direct + manager pairs per variant")
+    p.add_argument("--rounds", type=int, default=1, help="direct + manager rounds per variant")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--work", type=Path, default=None)
     return p.parse_args()
@@ -140,42 +146,59 @@ def manager_config(
     }
 
 
+def seed_form(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same requests with log-probs asked as the seed does (``logprobs: 1``, nothing else)."""
+    out = []
+    for p in payloads:
+        sp = {k: v for k, v in p["sampling_params"].items() if k != "flat_logprobs"} | {"logprobs": 1}
+        out.append({**p, "sampling_params": sp})
+    return out
+
+
 async def measure(
     url: str, cfg: Any, model: Path, engine_url: str, args: argparse.Namespace, logprobs: bool
-) -> list[dict[str, float]]:
-    payloads = manager_payloads(cfg, model, logprobs=1 if logprobs else None)
+) -> list[dict[str, Any]]:
+    payloads = manager_payloads(cfg, model, logprobs=logprobs_to_request(None) if logprobs else None)
     concurrency = cfg.rollout_concurrency
     rows = []
     async with RolloutClient(url, token=TOKEN, timeout=1800) as client:
         await direct_round([engine_url], payloads[:32], concurrency)  # warm-up: engine
         await client.rollout(10_000, evaluation=True)  # warm-up: router, reward pool, tokenizer
         for r in range(args.rounds):
-            d_tokens, d_wall = await direct_round([engine_url], payloads, concurrency)
+            replies: list[float] = []
+            d_tokens, d_wall = await direct_round([engine_url], payloads, concurrency, replies)
+            row: dict[str, Any] = {
+                "direct_tps": d_tokens / d_wall,
+                "direct_tokens": float(d_tokens),
+                "direct_s": d_wall,
+            }
+            if logprobs:
+                s_tokens, s_wall = await direct_round([engine_url], seed_form(payloads), concurrency)
+                row |= {"direct_seed_form_tps": s_tokens / s_wall, "direct_seed_form_s": s_wall}
             t0 = time.perf_counter()
             job = await client.rollout(r)
             e2e = time.perf_counter() - t0
             m = job.metrics
-            row = {
-                "direct_tps": d_tokens / d_wall,
+            row |= {
                 "manager_tps": m["rollout/generated_tokens"] / m["rollout/wall_s"],
                 "manager_e2e_tps": m["rollout/generated_tokens"] / e2e,
-                "direct_tokens": float(d_tokens),
                 "manager_tokens": m["rollout/generated_tokens"],
-                "direct_s": d_wall,
                 "manager_s": m["rollout/wall_s"],
                 "manager_e2e_s": e2e,
+                "gap_s": gap_parts(m, e2e, d_wall, replies),
             }
             console.print(
                 f"{'with' if logprobs else 'without'} log-probs, round {r}: "
-                + ", ".join(f"{k} {v:,.1f}" for k, v in row.items())
+                + ", ".join(f"{k} {v:,.2f}" for k, v in row.items() if isinstance(v, float))
             )
+            console.print(f"  gap to direct, by part (s): {row['gap_s']}")
             rows.append(row)
     return rows
 
 
 def variant(
     work: Path, args: argparse.Namespace, engine_url: str, model: Path, redis_port: int, logprobs: bool
-) -> list[dict[str, float]]:
+) -> list[dict[str, Any]]:
     """Start a rollout manager for this variant (the engine stays up), measure, stop it."""
     raw = manager_config(work, args, model, engine_url, redis_port, logprobs)
     path = work / f"manager-{'lp' if logprobs else 'nolp'}.yaml"
@@ -190,15 +213,14 @@ def variant(
             child.stop()
 
 
-def report(
-    results: dict[str, list[dict[str, float]]], args: argparse.Namespace, engine_start_s: float
-) -> None:
+def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, engine_start_s: float) -> None:
     table = Table(
         title=f"rollout: {args.samples} samples × ≤{args.max_tokens} tokens, {args.engine} {args.size}"
     )
     for col in (
         "variant",
         "direct tok/s",
+        "direct, seed's form",
         "manager tok/s",
         "manager / direct",
         "manager e2e tok/s",
@@ -210,16 +232,35 @@ def report(
         d = statistics.median(r["direct_tps"] for r in rows)
         m = statistics.median(r["manager_tps"] for r in rows)
         e = statistics.median(r["manager_e2e_tps"] for r in rows)
-        table.add_row(name, f"{d:,.0f}", f"{m:,.0f}", f"{m / d:.3f}", f"{e:,.0f}", f"{e / d:.3f}")
+        seeds = [r["direct_seed_form_tps"] for r in rows if "direct_seed_form_tps" in r]
+        seed = statistics.median(seeds) if seeds else None
+        gaps = {k: round(statistics.median(r["gap_s"][k] for r in rows), 4) for k in rows[0]["gap_s"]}
+        table.add_row(
+            name,
+            f"{d:,.0f}",
+            "-" if seed is None else f"{seed:,.0f}",
+            f"{m:,.0f}",
+            f"{m / d:.3f}",
+            f"{e:,.0f}",
+            f"{e / d:.3f}",
+        )
         summary[name] = {
             "direct_tps": round(d),
             "manager_tps": round(m),
             "ratio": round(m / d, 4),
             "manager_e2e_tps": round(e),
             "ratio_e2e": round(e / d, 4),
+            "median_gap_s": gaps,
             "rounds": rows,
         }
+        if seed is not None:
+            summary[name] |= {"direct_seed_form_tps": round(seed), "cheap_over_seed_form": round(d / seed, 4)}
+        console.print(f"{name}: median gap to direct by part (s): {gaps}")
     console.print(table)
+    if {"logprobs", "no_logprobs"} <= set(summary):
+        cross = summary["logprobs"]["manager_e2e_tps"] / summary["no_logprobs"]["direct_tps"]
+        summary["manager_logprobs_over_direct_no_logprobs"] = round(cross, 4)
+        console.print(f"manager with log-probs / direct without: {cross:.3f} (goal ≥ 0.8)")
     emit(
         "rollout",
         engine=args.engine,
@@ -227,7 +268,8 @@ def report(
         samples=args.samples,
         max_tokens=args.max_tokens,
         engine_start_s=round(engine_start_s, 1),
-        goal_ratio=0.97,
+        goal_ratio=0.98,
+        goal_logprobs_over_no_logprobs=0.8,
         **summary,
     )
 

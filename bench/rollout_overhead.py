@@ -15,7 +15,8 @@ Engines (``--engine``):
   engines, reward service, router and manager compete for the same cores, so the figures swing.
 
 Printed: tokens/s of both per round, the ratio manager / direct of the generation phase (the
-rollout loop's own wall time) and end to end (the whole POST), and their medians. Goal ≥ 0.97.
+rollout loop's own wall time) and end to end (the whole POST), and their medians (goal ≥ 0.98);
+per round, the manager's extra time over the direct round by part (`gpu_common.gap_parts`).
 
     python bench/rollout_overhead.py [--engine fake|reference] [--engines 2] [--prompts 32] [--rounds 5]
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpu_common import direct_round, manager_payloads
+from gpu_common import direct_round, gap_parts, manager_payloads
 from rich.console import Console
 from rich.table import Table
 
@@ -104,12 +105,14 @@ async def measure(
         await client.rollout(10_000)
         router = f"http://127.0.0.1:{cfg['services']['router_port']}"
         for r in range(args.rounds):
-            d_tokens, d_wall = await direct_round(engines, payloads, concurrency)
+            replies: list[float] = []
+            d_tokens, d_wall = await direct_round(engines, payloads, concurrency, replies)
             r_tokens, r_wall = await direct_round([router], payloads, concurrency)
             start = time.perf_counter()
             job = await client.rollout(r)
             e2e = time.perf_counter() - start
             m = job.metrics
+            console.print(f"  gap to direct, by part (s): {gap_parts(m, e2e, d_wall, replies)}")
             rows.append(
                 {
                     "direct_tps": d_tokens / d_wall,

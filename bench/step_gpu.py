@@ -11,16 +11,21 @@ shape (default 0.6B) is started over REST and followed to its end; the per-step 
     T_step = T_rollout + T_offload + T_train + T_onload_weights + T_weight_sync + T_onload_kv
 
 per step, the transitions (offload + onload weights + weight sync + onload KV) as % of T_step
-(goal < 3 %), and the push: bytes, pause→resume seconds (``weights.push`` → ``weights.resume``
-events) and GB/s. Step 0 pays warm-ups (first optimizer step, allocator growth); the summary is
-the median of the later steps.
+(goal < 3 %), and the push: bytes, pause→resume seconds and each of its phases (the step's
+``weights/<phase>_s`` metrics), GB/s. Step 0 pays warm-ups (first optimizer step, allocator
+growth); the summary is the median of the later steps.
+
+``--weight-loads direct vllm`` runs one run per ``engine.weight_load`` value, one after the other
+on the same stack (engines started with the direct-load extension, so both can be used), and
+compares their ``T_weight_sync`` and transitions.
 
 ``--compare-rollout`` first measures, on the same engines before the run starts, the same
 requests sent straight to the engine vs through the manager + router (an eval rollout over the
 training prompts at temperature 1; nothing is published): output tokens/s and their ratio
 (goal ≥ 0.97). ``bench/rollout_gpu.py`` does this alone, with and without log-probs.
 
-    python bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 3
+    python bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 3 \
+        --weight-loads direct vllm
     python bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 2  # CPU
 """
 
@@ -67,6 +72,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     p.add_argument("--logprobs", action="store_true", help="request rollout log-probs (mismatch metrics on)")
     p.add_argument("--compare-rollout", action="store_true")
+    p.add_argument(
+        "--weight-loads",
+        nargs="+",
+        default=["vllm"],
+        choices=["vllm", "direct"],
+        help="engine.weight_load of each run, in order (one run each, same stack)",
+    )
     p.add_argument("--work", type=Path, default=None)
     return p.parse_args()
 
@@ -87,6 +99,7 @@ def run_config(work: Path, args: argparse.Namespace, model: Path) -> dict[str, A
         "backend": args.engine,
         "base_port": procs.free_port(),
         "startup_timeout_s": 600,
+        "weight_load": "direct" if "direct" in args.weight_loads else "vllm",  # the extension, when asked
     }
     if gpu:
         engine |= {"gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
@@ -154,34 +167,42 @@ async def compare_rollout(cfg: RunConfig, model: Path) -> dict[str, Any]:
     return out
 
 
-async def run(cfg: RunConfig, timeout_s: float) -> tuple[Any, list[dict[str, Any]]]:
+async def run(
+    cfg: RunConfig, run_id: str, weight_load: str, first: int, timeout_s: float
+) -> tuple[Any, list[dict[str, Any]]]:
+    """One run of ``cfg.num_rollout`` rollouts from rollout id ``first`` (a later run continues the
+    ids, so the rollout manager publishes new batches for it)."""
+    override = {
+        "engine": {"weight_load": weight_load},
+        "start_rollout_id": first,
+        "num_rollout": first + cfg.num_rollout,
+    }
     async with TrainerClient(cfg.services.url("trainer"), token=TOKEN, timeout=60) as client:
-        await client.start_run(run_id=RUN_ID)
-        status = await client.wait_run(RUN_ID, timeout_s=timeout_s, poll_s=1.0)
-        events = [e.model_dump() for e in (await client.events(RUN_ID)).events]
+        await client.start_run(override, run_id=run_id)
+        status = await client.wait_run(run_id, timeout_s=timeout_s, poll_s=1.0)
+        events = [e.model_dump() for e in (await client.events(run_id)).events]
     return status, events
 
 
-def push_figures(events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per rollout: bytes pushed, ``weights.push`` → ``weights.resume`` seconds, GB/s."""
-    out: dict[int, dict[str, float]] = {}
-    start: dict[int | None, float] = {}
+def push_figures(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per rollout: bytes pushed, pause → resume seconds and GB/s, how it was loaded, each phase."""
+    out: dict[int, dict[str, Any]] = {}
     for e in events:
-        rid = e["rollout_id"]
-        if e["action"] == "weights.push":
-            start[rid] = e["t"]
-        elif e["action"] == "weights.loaded" and rid is not None:
-            out.setdefault(rid, {})["bytes"] = float(e["detail"].get("nbytes", 0))
-        elif e["action"] == "weights.resume" and rid in start and rid is not None:
-            out.setdefault(rid, {})["pause_to_resume_s"] = e["t"] - start[rid]
-    for f in out.values():
-        if f.get("pause_to_resume_s"):
-            f["GBps"] = f.get("bytes", 0.0) / f["pause_to_resume_s"] / 1e9
+        rid, detail = e["rollout_id"], e["detail"]
+        if e["action"] == "weights.loaded" and rid is not None:
+            seconds = float(detail.get("seconds") or 0.0)
+            out[rid] = {
+                "bytes": float(detail.get("nbytes", 0)),
+                "pause_to_resume_s": seconds,
+                "GBps": float(detail.get("nbytes", 0)) / seconds / 1e9 if seconds else float("nan"),
+                "weight_load": detail.get("weight_load"),
+                "phases": detail.get("phases", {}),
+            }
     return out
 
 
-def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, float]]) -> dict[str, Any]:
-    table = Table(title="colocated step: T_step and its parts (s)")
+def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight_load: str) -> dict[str, Any]:
+    table = Table(title=f"colocated step, engine.weight_load={weight_load}: T_step and its parts (s)")
     for col in (
         "rollout id",
         "T_step",
@@ -195,13 +216,15 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, float]]) -> d
     steps = []
     for r in rows:
         t = {p: r[f"perf/T_{p}"] for p in STEP_PHASES}
-        trans = sum(t[p] for p in TRANSITIONS) / r["perf/T_step"]
+        transitions = sum(t[p] for p in TRANSITIONS)
+        trans = transitions / r["perf/T_step"]
         push = pushes.get(r["rollout_id"], {})
         steps.append(
             {
                 "rollout_id": r["rollout_id"],
                 "T_step": r["perf/T_step"],
                 **t,
+                "transitions": transitions,
                 "transitions_frac": trans,
                 **push,
             }
@@ -217,7 +240,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, float]]) -> d
         )
     console.print(table)
     steady = steps[1:] or steps
-    keys = ("T_step", *STEP_PHASES, "transitions_frac", "pause_to_resume_s", "GBps")
+    keys = ("T_step", *STEP_PHASES, "transitions", "transitions_frac", "pause_to_resume_s", "GBps")
     median = {
         k: round(statistics.median(s[k] for s in steady if k in s), 4)
         for k in keys
@@ -243,25 +266,41 @@ def main() -> None:
         "size": args.size,
         "samples": args.prompts * args.n,
         "response_len": args.response_len,
+        "runs": {},
     }
+    runs: dict[str, tuple[str, list[dict[str, Any]]]] = {}
     try:
         t0 = time.monotonic()
         sup.start()
         out["stack_start_s"] = round(time.monotonic() - t0, 1)
         if args.compare_rollout:
             out["rollout_compare"] = asyncio.run(compare_rollout(plan.cfg, model))
-        t0 = time.monotonic()
-        status, events = asyncio.run(run(plan.cfg, timeout_s=3000))
-        out |= {"run_s": round(time.monotonic() - t0, 1), "state": str(status.state), "error": status.error}
+        for k, kind in enumerate(args.weight_loads):  # one run each, one after the other, same engines
+            t0 = time.monotonic()
+            run_id = f"{RUN_ID}-{kind}"
+            try:
+                status, events = asyncio.run(run(plan.cfg, run_id, kind, k * args.rollouts, timeout_s=3000))
+                state = {"state": str(status.state), "error": status.error}
+            except Exception as exc:  # a failed run is reported; the others still run
+                events, state = [], {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            runs[kind] = (run_id, events)
+            out["runs"][kind] = {"run_s": round(time.monotonic() - t0, 1), **state}
     finally:
         sup.stop()
-    (work / "events.json").write_text(json.dumps(events, indent=1))
-    rows = [
-        json.loads(x)
-        for x in (work / "runs" / RUN_ID / "metrics.jsonl").read_text().splitlines()
-        if x.strip()
-    ]
-    out |= report(rows, push_figures(events))
+    for kind, (run_id, events) in runs.items():
+        (work / f"events-{kind}.json").write_text(json.dumps(events, indent=1))
+        metrics = work / "runs" / run_id / "metrics.jsonl"
+        rows = (
+            [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+        )
+        out["runs"][kind] |= report(rows, push_figures(events), kind)
+    medians = {k: r.get("steady_median", {}) for k, r in out["runs"].items()}
+    if {"vllm", "direct"} <= set(medians):
+        out["direct_vs_vllm"] = {
+            key: {k: medians[k].get(key) for k in ("direct", "vllm")}
+            for key in ("weight_sync", "transitions", "transitions_frac", "pause_to_resume_s", "T_step")
+        }
+        console.print(f"direct vs vllm (steady medians): {out['direct_vs_vllm']}")
     emit("step", **out)
 
 

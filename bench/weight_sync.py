@@ -1,39 +1,34 @@
-"""The trainer's weight push (seed steps 45–52), against the floor of moving the same bytes, measured
-in the same run. Two transports:
+"""The trainer's weight push (seed steps 45–52) as ``vime train`` runs it, both ``engine.weight_load``
+values in the same run, against the floor of moving the same bytes.
 
-``--transport shm`` (CPU, default): `ActorGroup` (Megatron ranks as Ray actors; rank 0 writes the HF
-buckets as safetensors in ``--dir``) → `WeightSync` (pause, start, one ``/update_weights`` per
-bucket to every engine concurrently, finish with the version, resume) → CPU reference engines.
-Baseline: the same buckets written to the same directory and read back in this process.
+Each push goes through `make_weight_sync` — the code path a run takes — with the config's
+``engine.weight_load`` set to ``vllm`` (vLLM's ``/update_weights``) or ``direct`` (the worker
+extension copying each bucket into precomputed parameter views). The engines are started with the
+extension (what ``engine.weight_load: direct`` does); the ``vllm`` rounds do not use it. Rounds of
+the two kinds alternate, so both see the same machine state.
 
-``--transport ipc`` (GPU host, one GPU, vLLM installed): a real ``vllm serve`` started by the
-rollout manager's command builder with dummy weights (``--load-format dummy``), and the trainer
-ranks on the same GPU. Each round is the colocated flow of a step: engine ``/sleep?level=2`` →
-engine ``/wake_up?tags=weights`` → IPC push → ``/wake_up?tags=kv_cache``, then the engine's greedy
-next token must equal the trainer's for every probe prompt (and must not before the first push:
-dummy weights). Two kinds of round:
+Every round is the colocated flow of a step: the trainer's weights change (its final norm is
+negated, so the engines' greedy tokens must change too) → the engines must now disagree with the
+trainer → engines ``/sleep?level=2`` → (``--cpu-rounds``: the trainer sleeps, step 41, and the push
+reads its CPU backup) → ``/wake_up?tags=weights`` → the push → ``/wake_up?tags=kv_cache`` → every
+engine's greedy next token must be the trainer's for every probe prompt. A round that fails is
+reported with its error and the others go on; the figures are always written.
 
-- ``--rounds``: the trainer awake, the push reads its live GPU parameters — the transfer itself;
-  baseline: device-to-device copies of the same bytes on the rank (one flat copy, and one clone
-  per parameter), the floor of any GPU-to-GPU push;
-- ``--cpu-rounds``: the seed's order, the trainer asleep first (step 41), so the push reads the
-  CPU backup; baseline: the host→device copy of that backup.
+``--transport ipc`` (GPU host, one GPU, vLLM installed): one ``vllm serve`` started by the rollout
+manager's command builder with dummy weights, the trainer's rank on the same GPU. Baselines:
+``--rounds`` (the trainer awake, the push reads its GPU parameters): a device-to-device copy of the
+same bytes on the rank; ``--cpu-rounds``: the host→device copy of the CPU backup.
+``--transport shm`` (CPU): reference engines, CPU ranks; baseline: writing and reading the same
+buckets in tmpfs.
 
-Per round: pause→resume seconds (pause, flush, start, buckets, finish, resume), GB/s, phases,
-baseline, push / baseline. Goal for a Qwen3-4B shape (8.8 GB): ≤ 0.1 s (vLLM's helper: 0.25–0.32 s).
+Per round: pause→resume seconds and each phase (pause, flush, start/update/finish or update/label,
+resume), GB/s, the baseline, push / baseline. Goal for a Qwen3-4B shape (8.8 GB) with ``direct``:
+≤ 0.1 s. ``--train-steps N`` then trains N GRPO steps on the same ranks (engines asleep; no push
+after) and prints the step time and MFU. A final ``VIME_RESULT {...}`` line has everything; the exit
+status is 1 when any check or round failed.
 
-``--train-steps N`` then trains N GRPO steps on the same ranks (engines asleep) and prints the
-step time and MFU (6·N·tokens + causal attention against ``--peak-tflops``), so a 4B shape is
-built and loaded once for both figures. ``--fast-rounds N`` then pushes the trained weights N
-times with the opt-in fast loader (``vime_rollout.vllm_ext.fast_loader``, a vLLM worker extension
-that copies the bytes straight into the parameters; the engine is started with it): the engine
-must disagree with the trainer before (stale weights) and agree after every push. A failure of
-the fast path is reported, not fatal to the stock figures. A final ``VIME_RESULT {...}`` line
-has everything; the exit status is 1 when any check failed.
-
-    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3 \\
-        --fast-rounds 2
-    python bench/weight_sync.py [--transport shm] [--size micro|small] [--engines 2] [--rounds 5]
+    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3
+    python bench/weight_sync.py [--transport shm] [--size micro|small] [--engines 2] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -63,9 +58,10 @@ from gpu_common import (
 from vime import procs
 from vime.config import RunConfig, load_config
 from vime.models.tiny import QWEN3_SHAPES, SHAPES, build_tiny_qwen3, shape_named
+from vime.wire.direct_load import EXTENSION
 from vime.wire.rollout import EngineInfo
 
-FAST_ARGS = ", --worker-extension-cls, vime_rollout.vllm_ext.fast_loader.FastWeightLoader"
+KINDS = ("vllm", "direct")
 PROMPTS = [[(7 * i + 13 * j) % 90 + 3 for j in range(8)] for i in range(8)]
 
 
@@ -74,14 +70,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transport", default="shm", choices=("shm", "ipc"))
     p.add_argument("--size", default="small", choices=[*SHAPES, *QWEN3_SHAPES])
     p.add_argument("--engines", type=int, default=2, help="shm: reference engines")
-    p.add_argument("--rounds", type=int, default=5, help="pushes (ipc: from the awake trainer's GPU weights)")
     p.add_argument(
-        "--cpu-rounds", type=int, default=0, help="ipc: pushes from the sleeping trainer's CPU backup"
+        "--weight-loads", nargs="+", default=list(KINDS), choices=KINDS, help="engine.weight_load values"
     )
+    p.add_argument("--rounds", type=int, default=3, help="pushes of each kind from the awake trainer")
+    p.add_argument("--cpu-rounds", type=int, default=0, help="ipc: pushes of each kind from the CPU backup")
     p.add_argument("--train-steps", type=int, default=0, help="then train this many steps (MFU)")
-    p.add_argument(
-        "--fast-rounds", type=int, default=0, help="ipc: then pushes with the fast loader (opt-in)"
-    )
     p.add_argument("--train-samples", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--response-len", type=int, default=824)
@@ -89,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     p.add_argument("--tp", type=int, default=1, help="shm: CPU trainer ranks (TP size)")
     p.add_argument("--bucket-mb", type=int, default=None, help="default: 1024 (ipc, the trainer's), 64 (shm)")
-    p.add_argument("--unpacked", action="store_true", help="ipc: one handle per tensor")
+    p.add_argument("--unpacked", action="store_true", help="ipc, vllm: one handle per tensor")
     p.add_argument("--dir", type=Path, default=None, help="shm: bucket directory (default: /dev/shm)")
     p.add_argument("--work", type=Path, default=None, help="scratch and logs (default: a temp dir)")
     args = p.parse_args()
@@ -99,6 +93,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig:
+    """The run's config; ``engine.weight_load=direct`` so the engines start with the extension."""
     ranks = (
         [
             "actor_num_gpus_per_node=1",
@@ -109,7 +104,7 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
         if gpu
         else ["actor_num_gpus_per_node=0", "rollout_num_gpus=0", f"actor_num_cpu_ranks={args.tp}"]
     )
-    samples = args.train_samples if args.train_steps or args.fast_rounds else 4
+    samples = args.train_samples if args.train_steps else 4
     return load_config(
         overrides=[
             *ranks,
@@ -122,103 +117,42 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
             "rollout_max_context_len=1024",
             "engine.gpu_memory_utilization=0.2",
             "engine.enforce_eager=true",
-            f"engine.extra_args=[--load-format, dummy, --dtype, bfloat16{FAST_ARGS if args.fast_rounds else ''}]",
-            "trainer.lr=0.001",  # training visibly changes the weights (the fast rounds' stale check)
+            "engine.extra_args=[--load-format, dummy, --dtype, bfloat16]",
+            "engine.weight_load=direct",
             f"engine.base_port={procs.free_port()}",
             f"trainer.packed_buffer_size_bytes={args.bucket_mb << 20}",
             f"trainer.ipc_packed={not args.unpacked}",
             f"trainer.checkpoint_dir={work / 'ckpt'}",
+            *([f"trainer.weight_dir={args.dir}"] if args.dir else []),
         ],
         environ={},
     )
 
 
-# --- shm (CPU) ------------------------------------------------------------------------------------
+def with_weight_load(cfg: RunConfig, kind: str) -> RunConfig:
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"weight_load": kind})})
 
 
-def start_reference_engines(model: Path, n: int, logs: Path) -> tuple[list[procs.Child], list[str]]:
-    children, urls = [], []
-    for k in range(n):
-        port = procs.free_port()
-        argv = procs.python_module(
-            "vime_rollout.reference_engine", "--model", str(model), "--port", str(port), "--threads", "1"
-        )
-        children.append(procs.start(f"engine{k}", argv, log_path=logs / f"engine{k}.log"))
-        urls.append(f"http://127.0.0.1:{port}")
-    for child, url in zip(children, urls, strict=True):
-        procs.wait_healthy(url, child, timeout_s=180)
-    return children, urls
+# --- what runs inside the trainer's rank ----------------------------------------------------------
 
 
-def tmpfs_round_trip(group: Any, directory: str | None) -> float:
-    """Write + read the same buckets in this process: the tmpfs floor."""
+def flip_final_norm(rank: Any) -> None:
+    """Negate the final norm (live and in the CPU backup): every greedy token changes."""
     import torch
-    from vime_trainer.weights.buckets import pack_buckets
-    from vime_trainer.weights.shm import read_bucket, write_bucket
 
-    tensors = [(n, torch.tensor(a)) for n, a in group.call("hf_state_dict")[0].items()]
-    t0 = time.perf_counter()
-    for bucket in pack_buckets(tensors, group.config.trainer.packed_buffer_size_bytes):
-        path = write_bucket(bucket, directory, prefix="bench-baseline")
-        read_bucket(path)
-        path.unlink()
-    return time.perf_counter() - t0
-
-
-def run_shm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from vime_trainer.megatron.actor_group import ActorGroup
-    from vime_trainer.weight_sync import WeightSync
-    from vime_trainer.weight_sync.shm import ShmTransport
-
-    model = build_tiny_qwen3(work / "model", args.size)
-    directory = str(args.dir) if args.dir else None
-    children, urls = start_reference_engines(model, args.engines, work / "logs")
-    group = ActorGroup(trainer_config(work, args, gpu=False), str(model))
-    try:
-        group.start()
-        sync = WeightSync(ShmTransport(group, directory))
-        infos = [
-            EngineInfo(index=i, url=u, backend="reference", status="ready", registered=True)
-            for i, u in enumerate(urls)
-        ]
-        rounds = []
-        for r in range(args.rounds):
-            rep = asyncio.run(sync.push(infos, r + 1, flush=True))
-            base = tmpfs_round_trip(group, directory)
-            rounds.append(sync_round(rep, "tmpfs write+read", base))
-        sync_table("shm push vs tmpfs round trip", rounds)
-        train = train_steps(group, args, shape_named(args.size), on_gpu=False) if args.train_steps else None
-        return {"shm": sync_summary(rounds), "train": train}
-    finally:
-        group.shutdown()
-        for child in children:
-            child.stop()
-
-
-# --- ipc (GPU) ------------------------------------------------------------------------------------
-
-
-def greedy_agrees(group: Any, url: str) -> bool:
-    """The engine's greedy next token is the trainer's argmax, or within bf16 noise of it, for every prompt.
-
-    bf16 noise scales with the logits: two bf16 implementations of a 4B model differ by ~1% of the
-    largest logit (a fixed 0.05 flagged every correct push of the 4B shape on the H200), while
-    stale or garbled weights pick tokens far below the trainer's maximum.
-    """
-    import numpy as np
-
-    logits = next(x for x in group.call("logits", np.array(PROMPTS)) if x is not None)[:, -1, :]
-    for prompt, row in zip(PROMPTS, logits, strict=True):
-        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
-        out = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()
-        noise = 0.05 + 0.02 * float(np.abs(row).max())
-        if row[out["choices"][0]["token_ids"][0]] < row.max() - noise:
-            return False
-    return True
+    rank.wake_up()
+    with torch.no_grad():
+        for name, p in rank.passes.model.named_parameters():
+            if name.endswith("final_layernorm.weight"):
+                p.neg_()
+        if rank.backup.has("actor"):
+            for name, t in rank.backup.get("actor").items():
+                if name.endswith("final_layernorm.weight"):
+                    t.neg_()
 
 
 def device_copy_seconds(rank: Any) -> dict[str, float]:
-    """Runs in the rank: the same bytes copied on the GPU (one flat copy; one clone per parameter)."""
+    """The same bytes copied on the GPU (one flat copy; one clone per parameter)."""
     import torch
 
     params = [p.detach() for p in rank.passes.model.parameters()]
@@ -244,7 +178,7 @@ def device_copy_seconds(rank: Any) -> dict[str, float]:
 
 
 def host_to_device_seconds(rank: Any) -> float:
-    """Runs in the rank: copy its CPU weight backup to the GPU (what the push reads while it sleeps)."""
+    """Copy the rank's CPU weight backup to the GPU (what the push reads while it sleeps)."""
     import torch
 
     backup = rank.backup.get("actor")
@@ -257,138 +191,260 @@ def host_to_device_seconds(rank: Any) -> float:
     return time.perf_counter() - t0
 
 
-async def colocated_push(sync: Any, group: Any, url: str, version: int, trainer_sleeps: bool) -> Any:
-    """Seed 33–36, (41), 43, 45–52, 54 on one GPU: engine sleeps, (trainer sleeps,) weights wake, push, KV wakes."""
-    info = EngineInfo(index=0, url=url, backend="vllm", status="ready", registered=True, gpu_ids=[0])
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        if not (await http.get("/is_sleeping")).json().get("is_sleeping"):
-            (await http.post("/sleep", params={"level": 2, "mode": "keep"})).raise_for_status()
-        if trainer_sleeps:
-            await asyncio.to_thread(group.sleep)
-        t0 = time.perf_counter()
-        (await http.post("/wake_up", params={"tags": "weights"})).raise_for_status()
-        wake_weights = time.perf_counter() - t0
-        rep = await sync.push([info], version, flush=True)
-        t0 = time.perf_counter()
-        (await http.post("/wake_up", params={"tags": "kv_cache"})).raise_for_status()
-        wake_kv = time.perf_counter() - t0
-    return rep, {"wake_weights_s": round(wake_weights, 4), "wake_kv_s": round(wake_kv, 4)}
-
-
-class Rounds:
-    """Pushes of one kind, each checked (greedy agreement) and timed against its baseline."""
-
-    def __init__(self, group: Any, url: str) -> None:
-        self.group, self.url, self.version = group, url, 0
-        self.problems: list[str] = []
-        self.d2d: dict[str, float] | None = None
-        """Measured once (the same bytes every round): no extra GPU memory in later rounds."""
-
-    def run(self, kind: str, sync: Any, count: int, trainer_sleeps: bool) -> list[dict[str, Any]]:
-        from vime_trainer.weight_sync.ipc import call_on_ranks
-
-        rounds = []
-        for r in range(count):
-            self.version += 1
-            rep, wakes = asyncio.run(colocated_push(sync, self.group, self.url, self.version, trainer_sleeps))
-            agrees = greedy_agrees(self.group, self.url)  # wakes the trainer again
-            if not agrees:
-                self.problems.append(
-                    f"{kind} round {r}: after the push the engine disagrees with the trainer"
-                )
-            if trainer_sleeps:
-                base = call_on_ranks(self.group, host_to_device_seconds)[0]
-                rounds.append(sync_round(rep, "H2D copy", base, greedy_agrees=agrees, **wakes))
-            else:
-                d2d = self.d2d = self.d2d or call_on_ranks(self.group, device_copy_seconds)[0]
-                clones = round(d2d["clones"], 5)
-                rounds.append(
-                    sync_round(
-                        rep, "D2D flat copy", d2d["flat"], d2d_clones_s=clones, greedy_agrees=agrees, **wakes
-                    )
-                )
-        return rounds
-
-
-def ipc_rounds(args: argparse.Namespace, group: Any, url: str) -> tuple[dict[str, Any], Rounds]:
-    from vime_trainer.weight_sync import WeightSync
-    from vime_trainer.weight_sync.ipc import IpcTransport
-
-    rounds = Rounds(group, url)
-    if greedy_agrees(group, url):
-        rounds.problems.append("the engine agrees with the trainer before any push (not dummy weights?)")
-    sync = WeightSync(IpcTransport(group, packed=not args.unpacked))
-    gpu = rounds.run("stock", sync, args.rounds, trainer_sleeps=False)
-    cpu = rounds.run("stock from CPU backup", sync, args.cpu_rounds, trainer_sleeps=True)
-    sync_table("IPC push from the awake trainer's GPU weights vs D2D copy", gpu)
-    if cpu:
-        sync_table("IPC push from the sleeping trainer's CPU backup (the seed's order) vs H2D copy", cpu)
-    return {"from_gpu": sync_summary(gpu), "from_cpu_backup": sync_summary(cpu)}, rounds
-
-
-def fast_rounds(args: argparse.Namespace, rounds: Rounds) -> dict[str, Any]:
-    """The opt-in fast load (worker extension), after training changed the trainer's weights: the
-    engine must disagree first (stale weights), then agree after every fast push."""
-    from vime_trainer.weight_sync.fast_sync import FastIpcSync
-
-    stale = not greedy_agrees(rounds.group, rounds.url)
-    try:
-        fast = rounds.run(
-            "fast", FastIpcSync(rounds.group, args.bucket_mb << 20), args.fast_rounds, trainer_sleeps=False
-        )
-    except Exception as exc:  # the stock figures must still come out
-        rounds.problems.append(f"fast load failed: {type(exc).__name__}: {exc}")
-        return {"error": f"{type(exc).__name__}: {exc}", "engine_was_stale": stale}
-    sync_table("fast load (worker extension) from the awake trainer's GPU weights vs D2D copy", fast)
-    return {**sync_summary(fast), "engine_was_stale_before": stale}
-
-
-def run_ipc(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """vLLM starts on a config-only copy (dummy weights) while the trainer's checkpoint is built on
-    CPU (nothing may allocate GPU memory while vLLM profiles it); then the ranks load it."""
-    from vime_trainer.megatron.actor_group import ActorGroup
-    from vime_trainer.weight_sync.ipc import call_on_ranks
-
-    cfg = trainer_config(work, args, gpu=True)
-    engine, url = start_engine(
-        cfg, bench_model(work / "engine-model", args.size, gpu=True, weights=False), "bench", work / "logs"
-    )
-    try:
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(1) as pool:
-            building = pool.submit(bench_model, work / "trainer-model", args.size, gpu=True)
-            wait_engine(engine, url)
-            engine_start = time.monotonic() - t0
-            trainer_model = building.result()
-        console.print(f"vLLM up in {engine_start:.0f}s; checkpoint built in {time.monotonic() - t0:.0f}s")
-        group = ActorGroup(cfg, str(trainer_model))
-        try:
-            t0 = time.monotonic()
-            group.start()
-            out: dict[str, Any] = {
-                "engine_start_s": round(engine_start, 1),
-                "trainer_start_s": round(time.monotonic() - t0, 1),
-            }
-            stock, rounds = ipc_rounds(args, group, url)
-            out |= stock
-            if args.train_steps or args.fast_rounds:  # the engine sleeps while the trainer trains
-                httpx.post(url + "/sleep", params={"level": 2}, timeout=300).raise_for_status()
-                out["train"] = train_steps(group, args, shape_named(args.size), on_gpu=True)
-                call_on_ranks(group, _empty_cache)  # activations' blocks back before the KV cache wakes
-            if args.fast_rounds:
-                out["fast"] = fast_rounds(args, rounds)
-            out["problems"] = rounds.problems
-            return out
-        finally:
-            group.shutdown()
-    finally:
-        engine.stop(grace_s=30)
-
-
 def _empty_cache(rank: Any) -> None:
     import torch
 
     torch.cuda.empty_cache()
+
+
+# --- rounds ------------------------------------------------------------------------------------
+
+
+def greedy_agrees(group: Any, url: str) -> bool:
+    """The engine's greedy next token is the trainer's argmax, or within bf16 noise of it, for every prompt.
+
+    bf16 noise scales with the logits: two bf16 implementations of a 4B model differ by ~1% of the
+    largest logit (a fixed 0.05 flagged every correct push of the 4B shape on the H200), while
+    stale or garbled weights pick tokens far below the trainer's maximum.
+    """
+    import numpy as np
+
+    logits = next(x for x in group.call("logits", np.array(PROMPTS)) if x is not None)[:, -1, :]
+    for prompt, row in zip(PROMPTS, logits, strict=True):
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
+        out = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()
+        noise = 0.05 + 0.02 * float(np.abs(row).max())
+        if row[out["choices"][0]["token_ids"][0]] < row.max() - noise:
+            return False
+    return True
+
+
+async def colocated_push(
+    sync: Any, group: Any, engines: list[EngineInfo], version: int, trainer_sleeps: bool
+) -> tuple[Any, dict[str, float]]:
+    """Seed 33–36, (41), 43, 45–52, 54: engines sleep, (trainer sleeps,) weights wake, push, KV wakes."""
+    clients = [httpx.AsyncClient(base_url=e.url, timeout=300) for e in engines]
+
+    async def each(path: str, **params: Any) -> float:
+        t0 = time.perf_counter()
+        answers = await asyncio.gather(*(c.post(path, params=params) for c in clients))
+        for a in answers:
+            a.raise_for_status()
+        return time.perf_counter() - t0
+
+    try:
+        await each("/sleep", level=2, mode="keep")
+        if trainer_sleeps:
+            await asyncio.to_thread(group.sleep)
+        wake_weights = await each("/wake_up", tags="weights")
+        rep = await sync.push(engines, version, flush=True)
+        wake_kv = await each("/wake_up", tags="kv_cache")
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+    return rep, {"wake_weights_s": round(wake_weights, 4), "wake_kv_s": round(wake_kv, 4)}
+
+
+class Rounds:
+    """Pushes through `make_weight_sync`, each checked (stale before, greedy agreement after) and
+    timed against its baseline; a failed round is recorded, never raised."""
+
+    def __init__(self, cfg: RunConfig, group: Any, engines: list[EngineInfo], gpu: bool) -> None:
+        from vime_trainer.weight_sync import make_weight_sync
+
+        self.group, self.engines, self.gpu = group, engines, gpu
+        self.version = 0
+        self.problems: list[str] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.syncs = {
+            kind: make_weight_sync(with_weight_load(cfg, kind), group, on_event=self._event) for kind in KINDS
+        }
+        self.d2d: dict[str, float] | None = None
+        self.tmpfs_s: float | None = None
+
+    def _event(self, action: str, **detail: Any) -> None:
+        self.events.append((action, detail))
+
+    def agree(self) -> bool:
+        return all(greedy_agrees(self.group, e.url) for e in self.engines)
+
+    def run(self, kind: str, trainer_sleeps: bool, label: str) -> dict[str, Any]:
+        try:
+            return self._one(kind, trainer_sleeps)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.problems.append(f"{label} {kind} push {self.version}: {error}")
+            console.print(f"[red]✗ {label} {kind} push {self.version} failed: {error}[/]")
+            return {"kind": kind, "version": self.version, "error": error}
+
+    def _one(self, kind: str, trainer_sleeps: bool) -> dict[str, Any]:
+        from vime_trainer.weight_sync.ipc import call_on_ranks
+
+        self.version += 1
+        call_on_ranks(self.group, flip_final_norm)
+        stale = not self.agree()
+        if not stale:
+            self.problems.append(f"{kind} push {self.version}: the engines agreed before the push")
+        rep, wakes = asyncio.run(
+            colocated_push(self.syncs[kind], self.group, self.engines, self.version, trainer_sleeps)
+        )
+        agrees = self.agree()
+        if not agrees:
+            self.problems.append(
+                f"{kind} push {self.version}: after the push an engine disagrees with the trainer"
+            )
+        if rep.weight_load != kind:
+            self.problems.append(f"{kind} push {self.version}: loaded by {rep.weight_load} (refused?)")
+        extra = {
+            "kind": kind,
+            "weight_load": rep.weight_load,
+            "engine_was_stale": stale,
+            "greedy_agrees": agrees,
+        }
+        if not self.gpu:
+            base = self.tmpfs_s = self.tmpfs_s or tmpfs_round_trip(self.group)
+            return sync_round(rep, "tmpfs write+read", base, **extra, **wakes)
+        if trainer_sleeps:
+            base = call_on_ranks(self.group, host_to_device_seconds)[0]
+            return sync_round(rep, "H2D copy", base, **extra, **wakes)
+        d2d = self.d2d = self.d2d or call_on_ranks(self.group, device_copy_seconds)[0]
+        return sync_round(
+            rep, "D2D flat copy", d2d["flat"], d2d_clones_s=round(d2d["clones"], 5), **extra, **wakes
+        )
+
+    def close(self) -> None:
+        for sync in self.syncs.values():
+            asyncio.run(sync.aclose())
+
+
+def tmpfs_round_trip(group: Any) -> float:
+    """Write + read the same buckets in this process: the tmpfs floor."""
+    import torch
+    from vime_trainer.weights.bucket_files import read_bucket, write_bucket
+    from vime_trainer.weights.buckets import pack_buckets
+
+    tensors = [(n, torch.tensor(a)) for n, a in group.call("hf_state_dict")[0].items()]
+    t0 = time.perf_counter()
+    for bucket in pack_buckets(tensors, group.config.trainer.packed_buffer_size_bytes):
+        path = write_bucket(bucket, group.config.trainer.weight_dir, prefix="bench-baseline")
+        read_bucket(path)
+        path.unlink()
+    return time.perf_counter() - t0
+
+
+def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> None:
+    """The rounds of each kind, alternating; then the training steps (no push after them)."""
+    from vime_trainer.weight_sync.ipc import call_on_ranks
+
+    if rounds.gpu and rounds.agree():
+        rounds.problems.append("the engines agree with the trainer before any push (not dummy weights?)")
+    kinds = args.weight_loads
+    groups = [("from_gpu" if rounds.gpu else "from_trainer", False, args.rounds)]
+    if rounds.gpu and args.cpu_rounds:
+        groups.append(("from_cpu_backup", True, args.cpu_rounds))
+    for label, sleeps, count in groups:
+        done: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for _ in range(count):
+            for kind in kinds:
+                done[kind].append(rounds.run(kind, sleeps, label))
+        for kind in kinds:
+            sync_table(f"{kind}: push {label.replace('_', ' ')} vs baseline", done[kind])
+            out.setdefault(kind, {})[label] = sync_summary(done[kind])
+        medians = {k: out[k][label].get("median_sync_s") for k in kinds}
+        if medians.get("vllm") and medians.get("direct"):
+            out.setdefault("direct_over_vllm", {})[label] = round(medians["direct"] / medians["vllm"], 3)
+    opened = [d for a, d in rounds.events if a == "weights.direct_open"]
+    out["direct_open_s"] = [d.get("seconds") for d in opened]
+    out["direct_refused"] = [d.get("reason") for a, d in rounds.events if a == "weights.direct_refused"]
+    if args.train_steps:  # the engines sleep while the trainer trains
+        for e in rounds.engines:
+            httpx.post(e.url + "/sleep", params={"level": 2}, timeout=300).raise_for_status()
+        try:
+            out["train"] = train_steps(rounds.group, args, shape_named(args.size), on_gpu=rounds.gpu)
+        except Exception as exc:
+            rounds.problems.append(f"training failed: {type(exc).__name__}: {exc}")
+        if rounds.gpu:
+            call_on_ranks(rounds.group, _empty_cache)
+
+
+def start_reference_engines(model: Path, n: int, logs: Path) -> tuple[list[procs.Child], list[str]]:
+    children, urls = [], []
+    for k in range(n):
+        port = procs.free_port()
+        argv = procs.python_module(
+            "vime_rollout.reference_engine",
+            *(
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "--worker-extension-cls",
+                EXTENSION,
+            ),
+        )
+        children.append(procs.start(f"engine{k}", argv, log_path=logs / f"engine{k}.log"))
+        urls.append(f"http://127.0.0.1:{port}")
+    for child, url in zip(children, urls, strict=True):
+        procs.wait_healthy(url, child, timeout_s=180)
+    return children, urls
+
+
+def run(args: argparse.Namespace, work: Path, out: dict[str, Any]) -> list[str]:
+    """Engines and trainer up, then `measure`; returns the problems. vLLM starts on a config-only
+    copy (dummy weights) while the trainer's checkpoint is built on CPU (nothing may allocate GPU
+    memory while vLLM profiles it)."""
+    from vime_trainer.megatron.actor_group import ActorGroup
+
+    gpu = args.transport == "ipc"
+    cfg = trainer_config(work, args, gpu=gpu)
+    children: list[procs.Child] = []
+    t0 = time.monotonic()
+    try:
+        if gpu:
+            engine, url = start_engine(
+                cfg,
+                bench_model(work / "engine-model", args.size, gpu=True, weights=False),
+                "bench",
+                work / "logs",
+            )
+            children.append(engine)
+            with ThreadPoolExecutor(1) as pool:
+                building = pool.submit(bench_model, work / "trainer-model", args.size, gpu=True)
+                wait_engine(engine, url)
+                out["engine_start_s"] = round(time.monotonic() - t0, 1)
+                model = building.result()
+            urls = [url]
+        else:
+            model = build_tiny_qwen3(work / "model", args.size)
+            children, urls = start_reference_engines(model, args.engines, work / "logs")
+        engines = [
+            EngineInfo(
+                index=i,
+                url=u,
+                backend="vllm" if gpu else "reference",
+                status="ready",
+                registered=True,
+                gpu_ids=[0] if gpu else [],
+            )
+            for i, u in enumerate(urls)
+        ]
+        group = ActorGroup(cfg, str(model))
+        try:
+            t0 = time.monotonic()
+            group.start()
+            out["trainer_start_s"] = round(time.monotonic() - t0, 1)
+            rounds = Rounds(cfg, group, engines, gpu)
+            try:
+                measure(args, rounds, out)
+            finally:
+                rounds.close()
+            return rounds.problems
+        finally:
+            group.shutdown()
+    finally:
+        for child in children:
+            child.stop(grace_s=30)
 
 
 def main() -> int:
@@ -396,12 +452,29 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-sync-"))
     work.mkdir(parents=True, exist_ok=True)
     shape = shape_named(args.size)
-    console.print(f"{args.transport}: model {args.size}, work dir {work}")
-    result = run_ipc(args, work) if args.transport == "ipc" else run_shm(args, work)
-    emit("weight_sync", transport=args.transport, size=args.size, shape=shape.__dict__, **result)
-    for problem in result.get("problems", []):
-        console.print(f"[red]✗ {problem}[/]")
-    return 1 if result.get("problems") else 0
+    console.print(f"{args.transport}: model {args.size}, weight loads {args.weight_loads}, work dir {work}")
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    try:
+        problems = run(args, work, out)
+    except Exception as exc:  # start-up failed: still say so in the results
+        problems = [f"{type(exc).__name__}: {exc}"]
+        raise
+    finally:
+        direct = out.get("direct", {}).get("from_gpu", {})
+        goal = {"direct_from_gpu_s": direct.get("median_sync_s"), "goal_s": 0.1}
+        emit(
+            "weight_sync",
+            transport=args.transport,
+            size=args.size,
+            shape=shape.__dict__,
+            goal=goal,
+            problems=problems,
+            **out,
+        )
+        for problem in problems:
+            console.print(f"[red]✗ {problem}[/]")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -111,6 +111,15 @@ class EngineConfig(Section):
     """vLLM --enforce-eager (faster start, slower decode)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to every vllm serve."""
+    weight_load: Literal["vllm", "direct"] = "vllm"
+    """How pushed weights enter the engines: ``vllm``, vLLM's own ``/update_weights`` (its weight
+    loaders; any model); ``direct``, a worker extension (``--worker-extension-cls``, vLLM's and the
+    reference engine's) copies each bucket from the trainer's staging buffer straight into the
+    parameters, laid out once per engine start, and both sides checksum every bucket. Refused at
+    the first push — then ``vllm`` for the run, with a warning — for engines it cannot load exactly
+    (quantised, split over several GPUs, parameters that are not plain tensors of the trainer's
+    dtype and size). The trainer keeps one or two staging buffers of ``trainer.packed_buffer_size_bytes``
+    per GPU for the whole run."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to answer /health after launch."""
     health_check_interval_s: float = Field(2.0, gt=0)

@@ -28,10 +28,14 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _pytest_step(name: str, doc: str, *paths: str, timeout_s: float, expect_s: float) -> Step:
+def _pytest_step(
+    name: str, doc: str, *paths: str, timeout_s: float, expect_s: float, env: dict[str, str] | None = None
+) -> Step:
     """Tests run alike on the GPU and in the dry run (each picks its CPU stand-ins without a GPU)."""
     args = ["-m", "pytest", *paths]
-    return Step(name, doc, args, list(args), timeout_s=timeout_s, expect_s=expect_s, pytest=True)
+    return Step(
+        name, doc, args, list(args), timeout_s=timeout_s, expect_s=expect_s, pytest=True, env=dict(env or {})
+    )
 
 
 def _args(text: str) -> list[str]:
@@ -98,33 +102,48 @@ STEPS: dict[str, Step] = {
             timeout_s=420,
             expect_s=210,
         ),
+        _pytest_step(
+            "loop_direct",
+            "the colocated loop with engine.weight_load=direct: every push through the worker extension",
+            "tests/gpu/test_colocated_loop.py",
+            timeout_s=420,
+            expect_s=210,
+            env={"VIME_GPU_WEIGHT_LOAD": "direct"},
+        ),
+        _pytest_step(
+            "direct",
+            "the direct load across two processes over CUDA IPC staging buffers (checksums on the GPU)",
+            "tests/gpu/test_direct_load.py",
+            timeout_s=150,
+            expect_s=40,
+        ),
         Step(
             "bench_sync",
-            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM over IPC vs D2D copy (stock, then the fast loader); 4B train-step MFU",
+            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm and direct alternating, vs D2D/H2D copies; 4B train-step MFU",
             _args(
-                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3 --fast-rounds 2"
+                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 1 --train-steps 2"
             ),
             _args("bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2 --train-steps 1"),
-            timeout_s=360,
+            timeout_s=400,
             expect_s=220,
         ),
         Step(
             "bench_step",
-            "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts",
+            "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts, one run with engine.weight_load=direct then one with vllm",
             _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args("--rollouts 3 --compare-rollout"),
+            + _args("--rollouts 2 --weight-loads direct vllm"),
             _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
-            + _args("--rollouts 2 --compare-rollout"),
-            timeout_s=360,
-            expect_s=240,
+            + _args("--rollouts 2 --weight-loads direct vllm"),
+            timeout_s=480,
+            expect_s=300,
         ),
         Step(
             "bench_rollout",
-            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs",
+            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (the seed's and the manager's form), the gap by part",
             _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024"),
             _args("bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16"),
-            timeout_s=330,
-            expect_s=220,
+            timeout_s=420,
+            expect_s=260,
         ),
         _pytest_step(
             "train_kernels",
@@ -168,9 +187,12 @@ GROUPS: dict[str, list[str]] = {
     "tests": ["loop", "contract", "megatron"],
     "benches": ["bench_sync", "bench_step"],
     "throughput": ["train_kernels", "bench_train_4b", "bench_train"],
+    "weight_load": ["bench_sync", "direct", "loop_direct"],
     "all": list(STEPS),
 }
-"""Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second.
+"""Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second;
+``weight_load`` (engine.weight_load: the sync bench, the two-process test, the loop with
+``direct``), then ``bench_rollout`` and ``bench_step`` alone, are three calls that fit 600 s each.
 The most telling step of each goes first, so a call cut short loses the least."""
 
 

@@ -20,6 +20,7 @@ from contract_support import EngineUnderTest, HFReference, logprobs_mode_of
 
 from vime import procs
 from vime.clients.engine import EngineClient
+from vime.wire.vllm import build_sampling_params, logprobs_to_request, parse_generate_response
 
 PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
 TEMPERATURE = 0.7
@@ -117,3 +118,33 @@ async def test_greedy_reports_temperature_one_log_probs_in_both_modes(
         want = hf.token_logprobs(PROMPT, result.token_ids)
         diff = max(abs(a - b) for a, b in zip(result.log_probs, want, strict=True))
         assert diff <= eut.profile.logprob_atol, f"{mode}: max |engine - HF| greedy log-prob = {diff}"
+
+
+async def test_the_rollout_managers_cheap_form_reads_as_the_seeds_logprobs_1(
+    engine: EngineClient, eut: EngineUnderTest, hf: HFReference
+) -> None:
+    """The rollout manager asks for ``logprobs: 0`` (the sampled token only) with ``flat_logprobs``;
+    the seed asks for ``logprobs: 1``. Same request otherwise: the same tokens, the same log-prob of
+    each sampled token, and the same response shape (one ``top_logprobs`` entry, the sampled token)."""
+    cheap = build_sampling_params(
+        max_new_tokens=40, temperature=TEMPERATURE, top_p=1.0, logprobs=logprobs_to_request(None), seed=11
+    )
+    assert (cheap["logprobs"], cheap["flat_logprobs"]) == (0, True)
+    seeds = {k: v for k, v in cheap.items() if k != "flat_logprobs"} | {"logprobs": 1}
+    outs = [await engine.generate_raw({"token_ids": PROMPT, "sampling_params": sp}) for sp in (seeds, cheap)]
+    (current, current_c), (new, new_c) = [
+        (parse_generate_response(o), o["choices"][0]["logprobs"]["content"]) for o in outs
+    ]
+    assert new.token_ids == current.token_ids and len(new.token_ids) == 40
+    assert new.log_probs is not None and current.log_probs is not None
+    assert max(abs(a - b) for a, b in zip(new.log_probs, current.log_probs, strict=True)) <= 1e-6
+    for t, a, b in zip(new.token_ids, current_c, new_c, strict=True):
+        assert (
+            [e["token"] for e in a["top_logprobs"]]
+            == [e["token"] for e in b["top_logprobs"]]
+            == [f"token_id:{t}"]
+        )
+    want = hf.token_logprobs(
+        PROMPT, new.token_ids, TEMPERATURE if eut.logprobs_mode == "processed_logprobs" else 1.0
+    )
+    assert max(abs(a - b) for a, b in zip(new.log_probs, want, strict=True)) <= eut.profile.logprob_atol

@@ -43,8 +43,31 @@ def test_help_says_it_is_the_cpu_stand_in_for_vllm(reference_only: EngineUnderTe
         "--max-model-len",
         "--seed",
         "--logprobs-mode",
+        "--dtype",
+        "--worker-extension-cls",
     ):
         assert flag in out.stdout
+
+
+async def test_collective_rpc_and_the_version_label_routes(reference_only: EngineUnderTest) -> None:
+    """vLLM's ``/collective_rpc`` body and answers (a worker without the method: 500; no method: 400) and
+    0.33's ``/update_weight_version``; the suite's engine runs no worker extension."""
+    async with httpx.AsyncClient(base_url=reference_only.url, timeout=60) as http:
+        missing = await http.post("/collective_rpc", json={"args": []})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "method"
+        unknown = await http.post("/collective_rpc", json={"method": "vime_direct_layout"})
+        assert unknown.status_code == 500 and "vime_direct_layout" in unknown.json()["error"]["message"]
+        private = await http.post("/collective_rpc", json={"method": "__init__"})
+        assert private.status_code == 500
+        before = (await http.get("/weight_info")).json()
+        try:
+            label = await http.post("/update_weight_version", json={"new_version": "label-only"})
+            assert label.json() == {"success": True, "new_version": "label-only"}
+            assert (await http.get("/weight_info")).json() == {"weight_version": "label-only"}
+            bad = await http.post("/update_weight_version", json={})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "new_version"
+        finally:
+            await http.post("/update_weight_version", json={"new_version": before["weight_version"]})
 
 
 def test_a_budget_too_small_for_one_sequence_is_refused_at_start(reference_only: EngineUnderTest) -> None:

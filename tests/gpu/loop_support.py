@@ -9,6 +9,7 @@ and one CPU rank on a tiny model.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from vime.launch.stack import StackPlan, plan_stack
 from vime.launch.supervisor import Supervisor
 
 TOKEN = "gpu-loop-token"
+WEIGHT_LOAD = os.environ.get("VIME_GPU_WEIGHT_LOAD", "vllm")
+"""``engine.weight_load`` of the loop (the suite's ``loop_direct`` step sets ``direct``)."""
 NUM_ROLLOUT = 3
 PROMPTS = [f"{a}+{b}=" for a in range(1, 9) for b in range(1, 9)]
 
@@ -83,6 +86,7 @@ def loop_config(work: Path, model: Path, gpus: int) -> dict[str, Any]:
             "base_port": _engine_base(),
             "startup_timeout_s": 420,
             "health_check_interval_s": 1.0,
+            "weight_load": WEIGHT_LOAD,
         },
         "trainer": {"lr": 1e-3, "checkpoint_dir": str(work / "ckpt")},
         "services": {"host": "127.0.0.1", **ports, "api_token": TOKEN},

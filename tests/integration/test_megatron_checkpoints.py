@@ -15,8 +15,8 @@ import pytest
 import torch
 from vime_trainer.megatron.actor_group import ActorGroup, TrainerError
 from vime_trainer.megatron.checkpoint import STATE_FILE, latest_checkpoint
+from vime_trainer.weights.bucket_files import read_bucket
 from vime_trainer.weights.hf_checkpoint import HFReader
-from vime_trainer.weights.shm import read_bucket
 
 from tests.support.hf_models import build_hf
 from tests.support.megatron import Publisher, hf_logits, one, rollout_batch, run_config, split

@@ -165,6 +165,11 @@ class PushResult(BaseModel):
     buckets: int
     bytes: int
     seconds: float
+    """Pause → resume."""
+    weight_load: str = "vllm"
+    """How the engines loaded it: ``vllm`` (its weight loaders) or ``direct`` (engine.weight_load)."""
+    phases: dict[str, float] = Field(default_factory=dict)
+    """Seconds of each part: pause, flush, init, start, update, finish or label, resume."""
 
 
 class CheckpointRequest(_Request):

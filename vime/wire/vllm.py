@@ -36,7 +36,10 @@ def build_sampling_params(
     """vime's sampling parameters → vLLM ``sampling_params`` (seed step 19).
 
     ``max_new_tokens`` becomes ``max_tokens``; ``top_k`` is sent when > 0 or == -1; ``stop`` and
-    ``stop_token_ids`` are omitted when empty; ``logprobs`` is omitted when None (no consumer).
+    ``stop_token_ids`` are omitted when empty; ``logprobs`` is omitted when None (no consumer), and
+    comes with ``flat_logprobs: true`` (vLLM keeps a request's log-probs in a few flat lists instead
+    of one dict and one object per position: the same response, far less for its garbage
+    collector with hundreds of 1,024-token requests in flight).
     ``detokenize=False`` spares the server detokenising text the client decodes itself; it is
     dropped when stop strings are used, which need server-side text.
     """
@@ -47,6 +50,7 @@ def build_sampling_params(
     }
     if logprobs is not None:
         sp["logprobs"] = logprobs
+        sp["flat_logprobs"] = True
     if top_k is not None and (top_k > 0 or top_k == -1):
         sp["top_k"] = top_k
     if stop:
@@ -65,8 +69,12 @@ def build_sampling_params(
 
 
 def logprobs_to_request(score_centering_top_k: int | None) -> int:
-    """How many log-probs per position to ask for: 1, or top-k + 1 for score centering (seed step 19)."""
-    return 1 if score_centering_top_k is None else score_centering_top_k + 1
+    """How many log-probs per position to ask for: top-k + 1 for score centering (seed step 19), else
+    0 — only the sampled token's. The seed asks for 1, but only the sampled token's log-prob is read
+    (step 25): vLLM 0.26 answers both with one ``top_logprobs`` entry per position, the sampled
+    token's (``_create_tokens_logprobs`` keeps ``max(k, 1)``), with the same value, and 0 spares its
+    sampler the top-k search and its output processor a second entry per token (tests/contract)."""
+    return 0 if score_centering_top_k is None else score_centering_top_k + 1
 
 
 class GenerateRequest(BaseModel):

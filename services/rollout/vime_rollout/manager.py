@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +137,9 @@ class RolloutManager:
         self.monitor.resume("offload")  # seed step 14: health monitoring resumes with each rollout
         job.weight_version = version = self.engines.current_version
         state = self.state(evaluation=False)
+        t0 = time.perf_counter()
         served_before = await self.engines.finished_requests()
+        engine_metrics_s = time.perf_counter() - t0
         out = await generate_rollout(
             state,
             job.rollout_id,
@@ -146,7 +149,10 @@ class RolloutManager:
             dynamic_filter=self.filter,
         )
         metrics = rollout_metrics(out.groups, state.counters, out.wall_s)
-        metrics.update(engine_request_metrics(served_before, await self.engines.finished_requests()))
+        t0 = time.perf_counter()
+        served_after = await self.engines.finished_requests()
+        metrics["rollout/t_engine_metrics_s"] = engine_metrics_s + time.perf_counter() - t0
+        metrics.update(engine_request_metrics(served_before, served_after))
         metrics["rollout/weight_version"] = float(version)
         metrics["rollout/prompts_dropped_too_long"] = float(self.data.dataset.num_dropped_too_long)
         return out, metrics
@@ -176,6 +182,7 @@ class RolloutManager:
             if self.sink is None:
                 raise ServiceError(503, "no Redis configured: the batch cannot be published")
             batch_id = await self.sink.next_batch_id(job.rollout_id)
+            t0 = time.perf_counter()
             built = await asyncio.to_thread(
                 build_batch,
                 cfg,
@@ -187,12 +194,15 @@ class RolloutManager:
                 dp_size=dp_size,
                 metrics=metrics,
             )
+            t1 = time.perf_counter()
             published = await self.sink.publish(built)
+            t2 = time.perf_counter()
         except BaseException:
             self.data.load_state_dict(snapshot)
             raise
         job.batch_id, job.entry_id = published.batch_id, published.entry_id
-        job.num_samples, job.metrics = built.batch.num_samples, dict(built.batch.metrics)
+        job.num_samples = built.batch.num_samples
+        job.metrics = {**built.batch.metrics, "rollout/t_build_s": t1 - t0, "rollout/t_publish_s": t2 - t1}
         log.info(
             "rollout %d: batch %s, %d samples, %.1fs",
             job.rollout_id,

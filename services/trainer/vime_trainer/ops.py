@@ -73,6 +73,8 @@ class RunOps:
         self.start_version = 0
         """What the engines held when this run (re)started (`should_flush_cache`)."""
         self.sync: WeightSync | None = None
+        self.push_metrics: dict[str, float] = {}
+        """The last push's pause → resume seconds and each of its phases (``weights/<phase>_s``)."""
 
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
     async def wait_rollout_manager(self, timeout_s: float = 900.0) -> list[EngineInfo]:
@@ -235,7 +237,19 @@ class RunOps:
                 with contextlib.suppress(Exception):
                     await self.rollout.release_update_lock(lease.lease_id)
         self.version = self.ctx.status.weight_version = version
-        self.events.record("weights.loaded", version=version, buckets=report.buckets, nbytes=report.nbytes)
+        phases = {k: round(v, 4) for k, v in report.phases.items()}
+        self.events.record(
+            "weights.loaded",
+            version=version,
+            buckets=report.buckets,
+            nbytes=report.nbytes,
+            weight_load=report.weight_load,
+            seconds=round(report.seconds, 4),
+            phases=phases,
+        )
+        self.push_metrics = {"weights/push_s": report.seconds} | {
+            f"weights/{k}_s": v for k, v in phases.items()
+        }
         return PushResult(
             version=version,
             flushed=flush,
@@ -244,6 +258,8 @@ class RunOps:
             buckets=report.buckets,
             bytes=report.nbytes,
             seconds=report.seconds,
+            weight_load=report.weight_load,
+            phases=phases,
         )
 
     def _stale(self, engine: EngineInfo) -> bool:
@@ -303,6 +319,8 @@ class RunOps:
         return dict(job.metrics)
 
     async def close(self) -> None:
+        if self.sync is not None:
+            await self.sync.aclose()  # the direct load's staging buffers, while the ranks still run
         await asyncio.to_thread(self.backend.shutdown)
 
 

@@ -28,7 +28,7 @@ from vime_trainer.record import RunRecord
 from vime_trainer.report import draw_report, summarize, warmup_summary
 from vime_trainer.run_overrides import check_overrides
 from vime_trainer.state import RunContext
-from vime_trainer.weight_sync import WeightSync, make_transport
+from vime_trainer.weight_sync import make_weight_sync
 
 log = logging.getLogger("vime.trainer.run")
 
@@ -76,7 +76,7 @@ class RunHandle:
             self.ctx,
             self.rollout,
             backend,
-            make_sync=lambda b: WeightSync(make_transport(cfg, b), on_event=self.ctx.events.record),
+            make_sync=lambda b: make_weight_sync(cfg, b, on_event=self.ctx.events.record),
         )
         self.on_step = on_step
         self.controller = Controller(self.ctx, self.ops, on_step=self._on_step, on_warmup=self._on_warmup)

@@ -56,6 +56,25 @@ def test_seed_step_2_vllm_command() -> None:
     assert cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
+def test_the_direct_weight_load_starts_every_engine_with_its_worker_extension() -> None:
+    from vime.wire.direct_load import EXTENSION
+
+    gpu = _cfg(**{"engine.backend": "vllm", "engine.weight_load": "direct"})
+    cpu = _cfg(
+        rollout_num_gpus=0, rollout_num_engines_cpu=1, actor_num_gpus_per_node=0, tensor_model_parallel_size=1
+    )
+    cpu_direct = cpu.model_copy(update={"engine": cpu.engine.model_copy(update={"weight_load": "direct"})})
+    vllm_argv = vllm_command(gpu, plan_engines(gpu, gpus=list(range(8)))[0], "/m", "m").argv
+    ref_spec = plan_engines(cpu, gpus=[])[0]
+    for argv in (vllm_argv, reference_command(cpu_direct, ref_spec, "/m", "m").argv):
+        assert argv[argv.index("--worker-extension-cls") + 1] == EXTENSION
+    assert "--weight-transfer-config" in vllm_argv  # vLLM's own loader stays available as the fallback
+    assert "--worker-extension-cls" not in reference_command(cpu, ref_spec, "/m", "m").argv  # default: vllm
+    assert cpu.engine.weight_load == "vllm"
+    with pytest.raises(ValueError, match="weight_load"):
+        _cfg(**{"engine.weight_load": "fast"})
+
+
 def test_no_sleep_mode_or_ipc_without_colocation() -> None:
     cfg = _cfg(
         colocate=False,

@@ -83,14 +83,15 @@ def test_seed_step_19_request_shape(tokenizer: Any) -> None:
     cfg = _cfg(rollout_max_response_len=1024, rollout_max_context_len=4096)
     state = _state(cfg, tokenizer, FakeGenerator(), FakeScorer(lambda s: 1))
     sample = Sample(tokens=list(range(200)))
-    assert request_payload(state, sample, 1024, 1) == {
+    assert request_payload(state, sample, 1024, 0) == {
         "model": "tiny",
         "token_ids": list(range(200)),
         "sampling_params": {
             "max_tokens": 1024,
             "temperature": 1.0,
             "top_p": 1.0,
-            "logprobs": 1,
+            "logprobs": 0,
+            "flat_logprobs": True,
             "top_k": -1,
             "skip_special_tokens": False,
             "spaces_between_special_tokens": False,
@@ -102,12 +103,14 @@ def test_seed_step_19_request_shape(tokenizer: Any) -> None:
 
 def test_logprobs_only_when_consumed() -> None:
     assert logprobs_wanted(_cfg(), 0) is None
-    assert logprobs_wanted(_cfg(use_rollout_logprobs=True), 0) == 1
-    assert logprobs_wanted(_cfg(get_mismatch_metrics=True), 5) == 1
+    assert logprobs_wanted(_cfg(use_rollout_logprobs=True), 0) == 0  # the sampled token's only
+    assert logprobs_wanted(_cfg(get_mismatch_metrics=True), 5) == 0
     assert logprobs_wanted(_cfg(score_centering_top_k=4), 5) == 5
-    picked = [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g)]
+    picked = [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g) is not None]
     assert 400 < len(picked) < 600
-    assert picked == [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g)]
+    assert picked == [
+        g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g) is not None
+    ]
 
 
 def test_four_prompts_times_eight_samples(tokenizer: Any) -> None:
@@ -127,6 +130,23 @@ def test_four_prompts_times_eight_samples(tokenizer: Any) -> None:
     assert scorer.calls == [1] * 32
     assert len(gen.requests) == 32 and all(sid is None for _, sid in gen.requests)
     assert out.aborted_groups == []
+
+
+def test_the_rollout_times_its_parts(tokenizer: Any) -> None:
+    """``rollout/t_*``: sends, replies, rewards and the last group, in the order they must happen."""
+    from vime_rollout.rollout.metrics import rollout_metrics
+
+    cfg = _cfg(rollout_batch_size=8)
+    state = _state(cfg, tokenizer, FakeGenerator(delay_s=0.01), FakeScorer(lambda s: 1), concurrency=16)
+    out = _run(state, _source(cfg, tokenizer))
+    m = rollout_metrics(out.groups, state.counters, out.wall_s)
+    t = {
+        k.removeprefix("rollout/t_").removesuffix("_s"): v for k, v in m.items() if k.startswith("rollout/t_")
+    }
+    assert t["first_request"] <= t["last_request"] <= t["last_response"] <= t["last_group"] <= out.wall_s
+    assert t["first_request"] <= t["first_response"] <= t["median_response"] <= t["last_response"]
+    assert t["reward_total"] > 0 and t["reward_tail"] == t["last_group"] - t["last_response"]
+    assert t["abort"] >= 0 and len(state.counters.clock.responses) == 64
 
 
 def test_semaphore_bounds_requests_in_flight(tokenizer: Any) -> None:

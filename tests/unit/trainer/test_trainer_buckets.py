@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from vime_trainer.weights.bucket_files import read_bucket, update_info, write_bucket
 from vime_trainer.weights.buckets import pack_buckets, unflatten
 from vime_trainer.weights.hf_checkpoint import INDEX, SINGLE, HFReader, save_hf_checkpoint
-from vime_trainer.weights.shm import read_bucket, update_info, write_bucket
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:

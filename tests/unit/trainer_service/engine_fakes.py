@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ class EngineState:
     """``/reset_prefix_cache`` answers success=false this many times first."""
     fail_update_at: int | None = None
     """``/update_weights`` answers 500 for this bucket index."""
+    update_s: float = 0.0
+    """How long ``/update_weights`` takes to load a bucket."""
 
 
 class FakeEngines:
@@ -118,6 +121,7 @@ class FakeEngines:
                 return error(400, "weights are asleep")
             if s.fail_update_at is not None and info.get("index") == s.fail_update_at:
                 return error(500, "worker failed to load the bucket")
+            await asyncio.sleep(s.update_s)
             s.loaded.append(info)
             return {"message": "Weights updated"}
 

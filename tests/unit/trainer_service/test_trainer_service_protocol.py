@@ -61,6 +61,22 @@ async def test_flush_push_runs_the_seed_order_on_every_engine() -> None:
     ]
 
 
+async def test_the_next_bucket_is_prepared_while_the_engines_load_the_current_one() -> None:
+    engines = FakeEngines(2)
+    for s in engines.states.values():
+        s.update_s = 0.2
+    loaded_when_made: list[int] = []
+    transport = FakeTransport(
+        4, on_bucket=lambda i: loaded_when_made.append(len(engines.states["http://e0"].loaded))
+    )
+    sync, _ = _sync(engines, transport)
+    report = await sync.push(_infos(engines), version=2, flush=True)
+    assert loaded_when_made == [0, 0, 1, 2]  # bucket i+1 is made while bucket i is still loading
+    assert report.buckets == 4 and transport.closed == 1
+    assert set(report.phases) == {"pause", "flush", "start", "update", "finish", "resume"}
+    assert report.weight_load == "vllm"
+
+
 async def test_push_without_flush_keeps_requests_and_skips_the_cache_reset() -> None:
     engines = FakeEngines(1)
     sync, _ = _sync(engines, FakeTransport(1))

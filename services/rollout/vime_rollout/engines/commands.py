@@ -3,7 +3,8 @@
 Real vLLM: ``--enable-sleep-mode`` when engines are offloaded during training,
 ``--max-model-len = rollout_max_context_len``, ``--weight-transfer-config '{"backend":"ipc"}'``
 when colocated, the engine's tensor-parallel size and GPU ids, and the dev-mode switches its
-control routes need; every engine, vLLM or reference, ``--logprobs-mode processed_logprobs``.
+control routes need; every engine, vLLM or reference, ``--logprobs-mode processed_logprobs`` and,
+with ``engine.weight_load: direct``, ``--worker-extension-cls`` of the direct-load extension.
 The form that ran on vLLM 0.26 (notes/vllm_device.md) is
 ``python3 -m vllm.entrypoints.cli.main serve`` with ``VLLM_USE_FLASHINFER_SAMPLER=0``.
 """
@@ -16,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 from vime.config import RunConfig
+from vime.wire.direct_load import EXTENSION
 from vime_rollout.engines.spec import EngineSpec
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -47,11 +49,11 @@ def _vllm_version() -> tuple[int, ...] | None:
 
 
 def _serving_args(cfg: RunConfig, spec: EngineSpec, served_name: str) -> list[str]:
-    """What every engine (vLLM or reference) is told alike: its model name, address and context, and
-    to report log-probs after temperature (``--logprobs-mode``, in vLLM 0.26's and 0.33's
-    ModelConfig): the default ``raw_logprobs`` are of the untempered logits, which the trainer does
-    not use."""
-    return [
+    """What every engine (vLLM or reference) is told alike: its model name, address and context, to
+    report log-probs after temperature (``--logprobs-mode``, in vLLM 0.26's and 0.33's ModelConfig):
+    the default ``raw_logprobs`` are of the untempered logits, which the trainer does not use; and
+    the direct-load extension when the run loads weights directly."""
+    args = [
         "--served-model-name",
         served_name,
         "--host",
@@ -63,6 +65,9 @@ def _serving_args(cfg: RunConfig, spec: EngineSpec, served_name: str) -> list[st
         "--logprobs-mode",
         LOGPROBS_MODE,
     ]
+    if cfg.engine.weight_load == "direct":
+        args += ["--worker-extension-cls", EXTENSION]
+    return args
 
 
 def vllm_serve_args(

@@ -11,6 +11,8 @@ step for all of them, with a KV cache), log-probs of the sampled tokens raw or a
 top-k/top-p (``--logprobs-mode``, vLLM's flag and default), sleep levels 1 and 2
 that really free memory, requests held while asleep or paused, pause modes abort/wait/keep.
 What is its own: weights arrive as safetensors files (``{"backend": "shm", "path": ...}``), since
-CUDA IPC handles cannot be opened on a CPU. Start it with
+CUDA IPC handles cannot be opened on a CPU; with ``--worker-extension-cls`` (vLLM's flag) the
+extension's methods answer ``/collective_rpc``, so vime's direct weight load runs here over
+shared-memory staging buffers. Start it with
 ``python -m vime_rollout.reference_engine --model DIR --port P``.
 """

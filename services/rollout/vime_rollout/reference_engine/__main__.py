@@ -7,7 +7,7 @@ builder (`vime_rollout.engines.commands`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -60,6 +60,17 @@ def main(
         ),
     ] = "raw_logprobs",
     threads: Annotated[int | None, typer.Option(help="Torch intra-op threads (default: torch's).")] = None,
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        typer.Option(help="Weights and KV cache dtype (vLLM's --dtype); pushed weights are cast to it."),
+    ] = "float32",
+    worker_extension_cls: Annotated[
+        str | None,
+        typer.Option(
+            help="module.Class mixed into the engine's worker, its methods callable by POST /collective_rpc "
+            "(vLLM's flag; vime's direct weight load: vime_rollout.vllm_ext.direct_load.DirectLoadExtension)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Python log level.")] = "warning",
 ) -> None:
     """vime reference engine: the CPU stand-in for vLLM. Serves vLLM 0.26's HTTP API
@@ -73,10 +84,12 @@ def main(
     from .model_runner import ModelRunner
     from .server import run
     from .tokenizer import load_tokenizer
+    from .worker import build_worker
 
     if threads:
         torch.set_num_threads(threads)
-    runner = ModelRunner(model, max_slots=max_batch, max_model_len=max_model_len)
+    runner = ModelRunner(model, max_slots=max_batch, max_model_len=max_model_len, dtype=getattr(torch, dtype))
+    worker = build_worker(runner, worker_extension_cls)
     smallest = runner.kv.projected_nbytes(1, runner.max_model_len)
     if smallest > kv_cache_memory_bytes:
         raise SystemExit(
@@ -97,6 +110,7 @@ def main(
             kv_cache_bytes=kv_cache_memory_bytes,
             decode_text=tokenizer.decode,
             logprobs_mode=logprobs_mode,
+            worker=worker,
         )
 
     run(build_app(core, served), host, port, log_level)

@@ -4,8 +4,10 @@ Bodies and status codes are 0.26's: ``/sleep`` and ``/wake_up`` answer 200 with 
 ``/pause`` ``{"status": "paused"}``, the weight routes ``{"message": ...}``. Differences, all
 tested in ``tests/contract``: misuse of the weight-update protocol is 400 here (0.26: 500 from the
 worker's RuntimeError), a sleep level outside 0..2 is 400, ``/finish_weight_update`` accepts 0.33's
-optional ``{"weight_version": ...}``, ``/weight_info`` is 0.33's, and ``/debug/state`` and
-``/debug/memory`` are ours (the reference engine's nvidia-smi).
+optional ``{"weight_version": ...}``, ``/weight_info`` and ``/update_weight_version`` are 0.33's,
+and ``/debug/state`` and ``/debug/memory`` are ours (the reference engine's nvidia-smi).
+``/collective_rpc`` runs a method of the engine's worker (`worker`), with vLLM's body and answer:
+a worker exception is a 500, as in vLLM.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def add_control_routes(app: FastAPI) -> None:
     _add_sleep_routes(app)
     _add_pause_routes(app)
     _add_weight_routes(app)
+    _add_rpc_route(app)
     _add_debug_routes(app)
 
 
@@ -139,9 +142,29 @@ def _add_weight_routes(app: FastAPI) -> None:
     async def get_world_size(include_dp: bool = Query(True)) -> dict[str, int]:
         return {"world_size": 1}
 
+    @app.post("/update_weight_version")
+    async def update_weight_version(raw: Request) -> dict[str, Any]:
+        version = _embedded(await json_body(raw), "new_version", required=True)
+        if not isinstance(version, str | int):
+            raise EngineError("new_version must be a string", param="new_version")
+        await core_of(raw).set_weight_version(str(version))
+        return {"success": True, "new_version": str(version)}
+
     @app.get("/weight_info")
     async def weight_info(raw: Request) -> dict[str, str]:
         return {"weight_version": core_of(raw).weight_version or DEFAULT_VERSION}
+
+
+def _add_rpc_route(app: FastAPI) -> None:
+    @app.post("/collective_rpc")
+    async def collective_rpc(raw: Request) -> Any:
+        body = await json_body(raw)
+        method = _embedded(body, "method", required=True)
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        if not isinstance(method, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise EngineError("method must be a string, args a list and kwargs an object", param="method")
+        results = await core_of(raw).collective_rpc(method, args, kwargs)
+        return {"results": [r if r is None or isinstance(r, dict | list) else str(r) for r in results]}
 
 
 def _add_debug_routes(app: FastAPI) -> None:

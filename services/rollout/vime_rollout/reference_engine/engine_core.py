@@ -34,6 +34,7 @@ from .model_runner import ModelRunner
 from .sampler import LogprobsMode, RowResult, RowSpec, sample
 from .sequence import Decoder, Request, Sequence
 from .weights import BucketError, bucket_path, read_shapes, read_tensors
+from .worker import ReferenceWorker
 
 log = logging.getLogger("vime.reference_engine")
 
@@ -66,8 +67,10 @@ class EngineCore:
         kv_cache_bytes: int | None = None,
         decode_text: Decoder | None = None,
         logprobs_mode: LogprobsMode = "raw_logprobs",
+        worker: ReferenceWorker | None = None,
     ) -> None:
         self.runner = runner
+        self.worker = worker or ReferenceWorker(runner)
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
@@ -361,6 +364,23 @@ class EngineCore:
         self.update_active = False
         if weight_version is not None:
             self.weight_version = str(weight_version)
+
+    async def set_weight_version(self, version: str) -> None:
+        """vLLM 0.33's ``/update_weight_version``: the label only, no weights."""
+        self.weight_version = version
+
+    async def collective_rpc(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+        """Run ``method`` on the worker between two steps (vLLM: on every worker); one result per worker."""
+        fn = getattr(self.worker, method, None)
+        if method.startswith("_") or not callable(fn):
+            raise EngineError(f"the worker has no method {method!r}", 500, "InternalServerError")
+        async with self._lock:
+            try:
+                return [await asyncio.to_thread(fn, *args, **kwargs)]
+            except Exception as exc:
+                raise EngineError(
+                    f"{method}: {type(exc).__name__}: {exc}", 500, "InternalServerError"
+                ) from exc
 
     # ----- introspection -----------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """The Hugging Face model on CPU: batched forward passes over the slot KV cache, and its memory.
 
-The model is a transformers causal LM in fp32. A pass computes any mix of prefills and decodes
-in one call: row ``i`` feeds its new tokens at positions ``start_i, start_i + 1, ...`` (right
-padded to the longest row), keys/values land in the row's slot of `SlotKVCache`, and the logits
-at each row's last real token come back. The decoder is called with a prepared attention-mask
-mapping (transformers 5 skips its own mask building when given one), so any decoder that follows
-that convention works: Qwen2/3, Llama, Mistral.
+The model is a transformers causal LM in fp32 (or the ``dtype`` asked for, as vLLM's ``--dtype``).
+A pass computes any mix of prefills and decodes in one call: row ``i`` feeds its new tokens at
+positions ``start_i, start_i + 1, ...`` (right padded to the longest row), keys/values land in the
+row's slot of `SlotKVCache`, and the logits at each row's last real token come back. The decoder
+is called with a prepared attention-mask mapping (transformers 5 skips its own mask building when
+given one), so any decoder that follows that convention works: Qwen2/3, Llama, Mistral.
 
 Sleep mirrors vLLM's levels: level 1 keeps the weights aside as a CPU backup (on CPU that backup
 is the tensors themselves) and drops the KV cache; level 2 drops both. Waking ``weights`` after
@@ -62,13 +62,20 @@ def _load_eos_ids(model_dir: Path, config: Any) -> set[int]:
 class ModelRunner:
     """Owns the model's weights and KV cache; every method runs with the engine lock held."""
 
-    def __init__(self, model_dir: str | Path, *, max_slots: int, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_slots: int,
+        max_model_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
         config = AutoConfig.from_pretrained(str(self.model_dir))
         self.config = config
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -90,7 +97,7 @@ class ModelRunner:
             int(config.num_hidden_layers),
             int(config.num_key_value_heads),
             head_dim,
-            dtype=torch.float32,
+            dtype=dtype,
             max_slots=max_slots,
             max_len=self.max_model_len,
         )

@@ -28,7 +28,6 @@ UNSUPPORTED_AT_DEFAULT: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "prompt_logprobs": None,
     "logprob_token_ids": None,
-    "flat_logprobs": False,
     "logit_bias": None,
     "allowed_token_ids": None,
     "bad_words": None,
@@ -71,6 +70,8 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     flat_logprobs: bool = False
+    """Accepted, no effect: vLLM keeps the log-probs in flat lists instead of per-position dicts,
+    the response is the same."""
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

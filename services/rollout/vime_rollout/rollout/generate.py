@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from vime.types import Sample, SampleStatus
@@ -71,7 +72,9 @@ async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -
                 sample.status = SampleStatus.ABORTED
                 return sample
             known_version = state.weight_version()
+            state.counters.clock.request()
             output = await state.generator.generate(payload, session_id=session)
+            state.counters.clock.response()
         # Let the request that takes the freed slot go out before this reply is parsed: when many
         # replies land at once, the engines are refilled first and the parsing waits.
         await asyncio.sleep(0)
@@ -115,8 +118,16 @@ async def generate_and_rm(state: GenerateState, sample: Sample, logprobs: int | 
     if sample.status is SampleStatus.ABORTED or state.cfg.reward.group_rm:
         return sample
     if sample.reward is None:
-        ((sample.reward, sample.reward_details),) = await state.scorer.score([sample])
+        ((sample.reward, sample.reward_details),) = await _score(state, [sample])
     return sample
+
+
+async def _score(state: GenerateState, samples: list[Sample]) -> list[tuple[float, dict[str, Any] | None]]:
+    t0 = time.perf_counter()
+    try:
+        return await state.scorer.score(samples)
+    finally:
+        state.counters.clock.reward_s += time.perf_counter() - t0
 
 
 async def generate_and_rm_group(
@@ -132,6 +143,6 @@ async def generate_and_rm_group(
         raise
     if state.cfg.reward.group_rm and not any(s.status is SampleStatus.ABORTED for s in done):
         # One batched call for the whole group: group-level verifiers see every member.
-        for s, (reward, details) in zip(done, await state.scorer.score(done), strict=True):
+        for s, (reward, details) in zip(done, await _score(state, done), strict=True):
             s.reward, s.reward_details = reward, details
     return done

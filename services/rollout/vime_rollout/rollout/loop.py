@@ -66,6 +66,7 @@ async def generate_rollout(
 ) -> RolloutOutput:
     """Collect ``target`` groups that pass the filter (seed steps 16–28)."""
     start = time.perf_counter()
+    state.counters.clock.restart()
     n = state.cfg.n_samples_per_prompt if not state.evaluation else state.cfg.data.n_samples_per_eval_prompt
     data: list[list[Sample]] = []
     pendings: set[asyncio.Task[list[Sample]]] = set()
@@ -99,6 +100,7 @@ async def generate_rollout(
                 if len(data) < target:
                     data.append(group)
                     bar.update(n)
+                    state.counters.clock.group_done()
     except BaseException:
         state.aborted = True
         for t in pendings:
@@ -107,7 +109,9 @@ async def generate_rollout(
         raise
     finally:
         bar.close()
+    t_abort = time.perf_counter()
     aborted = await abort(state, pendings)
+    state.counters.clock.abort_s = time.perf_counter() - t_abort
     return RolloutOutput(data, aborted, time.perf_counter() - start)
 
 

@@ -1,4 +1,5 @@
-"""Rollout metrics: lengths, truncation, rewards, filter drops, throughput (plain floats for JSON)."""
+"""Rollout metrics: lengths, truncation, rewards, filter drops, throughput, and when each part of the
+rollout happened (`clock`) (plain floats for JSON)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def rollout_metrics(
         "samples_with_logprobs": float(sum(s.rollout_log_probs is not None for s in samples)),
         **_stats("response_len", response_lengths),
         **_stats("prompt_len", [float(s.prompt_length) for s in samples]),
+        **counters.clock.metrics(),
     }
     if rewards:
         out["reward_mean"] = float(statistics.fmean(rewards))

@@ -17,6 +17,7 @@ from vime.config import RunConfig
 from vime.types import Sample
 from vime.wire.vllm import logprobs_to_request
 from vime_rollout.data.dataset import Tokenizer
+from vime_rollout.rollout.clock import RolloutClock
 
 
 class Scorer(Protocol):
@@ -99,6 +100,7 @@ class RolloutCounters:
     groups_dropped: int = 0
     drop_reasons: dict[str, int] = field(default_factory=dict)
     aborted_samples: int = 0
+    clock: RolloutClock = field(default_factory=RolloutClock)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from vime.batch import RankBatch
 from vime.config import RunConfig
 from vime_trainer.batches import BatchRef, ShareReader, ShareSummary, TrainResult
 from vime_trainer.weights.architecture import Architecture
-from vime_trainer.weights.shm import write_bucket
+from vime_trainer.weights.bucket_files import write_bucket
 
 T = TypeVar("T")
 

@@ -1,8 +1,10 @@
-"""Weight sync: vLLM's update protocol (`protocol`) over a transport (`shm`, `ipc`).
+"""Weight sync: vLLM's update protocol (`protocol`) over a transport (`shm_transport`, `ipc`).
 
 `make_transport` picks one: ``ipc`` when the trainer ranks share GPUs with the engines
 (colocated, on GPUs), ``shm`` otherwise (CPU hosts, or engines on other GPUs/hosts that share a
-filesystem). ``trainer.weight_transport`` forces either.
+filesystem). ``trainer.weight_transport`` forces either. `make_weight_sync` builds the run's push:
+vLLM's loader (`WeightSync`) or, with ``engine.weight_load: direct``, the direct load
+(`direct_sync.DirectSync`, staging buffers of the same kind as the transport) falling back to it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from vime.config import RunConfig
-from vime_trainer.weight_sync.protocol import PushReport, WeightSync, WeightSyncError
+from vime_trainer.weight_sync.protocol import EventFn, PushReport, WeightSync, WeightSyncError, no_event
 from vime_trainer.weight_sync.transport import OutgoingBucket, WeightTransport
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "WeightSyncError",
     "WeightTransport",
     "make_transport",
+    "make_weight_sync",
     "transport_name",
 ]
 
@@ -38,6 +41,17 @@ def make_transport(cfg: RunConfig, backend: Any) -> WeightTransport:
         from vime_trainer.weight_sync.ipc import IpcTransport
 
         return IpcTransport(backend, packed=cfg.trainer.ipc_packed)
-    from vime_trainer.weight_sync.shm import ShmTransport
+    from vime_trainer.weight_sync.shm_transport import ShmTransport
 
     return ShmTransport(backend, cfg.trainer.weight_dir)
+
+
+def make_weight_sync(cfg: RunConfig, backend: Any, on_event: EventFn = no_event) -> WeightSync:
+    """The run's weight push over the started trainer backend, as ``engine.weight_load`` asks."""
+    stock = WeightSync(make_transport(cfg, backend), on_event=on_event)
+    if cfg.engine.weight_load != "direct":
+        return stock
+    from vime_trainer.weight_sync.direct_sync import DirectSync, RayRanks
+
+    ranks = RayRanks(backend, "ipc" if transport_name(cfg) == "ipc" else "shm", cfg.trainer.weight_dir)
+    return DirectSync(ranks, stock, bucket_bytes=cfg.trainer.packed_buffer_size_bytes)

@@ -8,7 +8,7 @@ on CPU ``ipc_open`` fails with a message pointing at ``trainer.weight_transport=
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import ray
@@ -44,15 +44,31 @@ class IpcTransport:
         self.init_info: dict[str, Any] | None = {}
         """vLLM 0.26's IPC engine takes no init fields (a no-op, sent as its own helper does)."""
 
-    def buckets(self, engines: Sequence[EngineInfo]) -> Iterator[IpcBucket]:
-        ranks = [RankGpu(**r) for r in call_on_ranks(self.group, ipc_rank.ipc_open, self.packed)]
-        try:
-            while True:
-                raw = call_on_ranks(self.group, ipc_rank.ipc_next)
-                if all(r is None for r in raw):
-                    return
-                if any(r is None for r in raw):
-                    raise RuntimeError("trainer ranks ran out of buckets at different points")
-                yield IpcBucket([RankExport.from_dict(r) for r in raw], ranks)
-        finally:
+    def buckets(self, engines: Sequence[EngineInfo]) -> IpcStream:
+        return IpcStream(self.group, self.packed)
+
+
+class IpcStream:
+    """Each bucket exported by every rank at once; `close` (not running out) releases the ranks' last ones."""
+
+    def __init__(self, group: RankActors, packed: bool) -> None:
+        self.group, self.packed = group, packed
+        self.ranks: list[RankGpu] | None = None
+
+    def __iter__(self) -> IpcStream:
+        return self
+
+    def __next__(self) -> IpcBucket:
+        if self.ranks is None:
+            self.ranks = [RankGpu(**r) for r in call_on_ranks(self.group, ipc_rank.ipc_open, self.packed)]
+        raw = call_on_ranks(self.group, ipc_rank.ipc_next)
+        if all(r is None for r in raw):
+            raise StopIteration
+        if any(r is None for r in raw):
+            raise RuntimeError("trainer ranks ran out of buckets at different points")
+        return IpcBucket([RankExport.from_dict(r) for r in raw], self.ranks)
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks = None
             call_on_ranks(self.group, ipc_rank.ipc_close)

@@ -4,10 +4,11 @@
 ``actor.__ray_call__`` (the function receives the rank object). All ranks step together because
 ``TrainRank.hf_buckets`` is collective (TP all-gather, PP broadcast): each ``ipc_next`` builds the
 next bucket of full HF tensors on the rank's own GPU, shares it through CUDA IPC and returns the
-handle with the bucket's layout. The rank keeps that bucket alive until the driver asks for the
-next one, which it does only after every engine has loaded the current one (vLLM's
-``/update_weights`` returns once the weights are in), so engines never read freed memory;
-``ipc_close`` drops the last one and runs ``torch.cuda.ipc_collect()``.
+handle with the bucket's layout. The rank keeps a bucket alive until the driver asks for the one
+after the next: it asks for the next while the engines load the current one, and for the one
+after only once every engine has loaded it (vLLM's ``/update_weights`` returns once the weights
+are in), so engines never read freed memory; ``ipc_close`` drops the last ones and runs
+``torch.cuda.ipc_collect()``.
 
 Each bucket gets a fresh buffer rather than one staging buffer reused for every bucket (vLLM's
 own helper): a worker that still holds views of an earlier bucket (vLLM's layerwise reload keeps
@@ -46,11 +47,14 @@ class IpcExporter:
         self.gpu_uuid = gpu_uuid
         self.reduce = reduce or _default_reduce()
         self.held: list[torch.Tensor] = []
-        """The current bucket's shared memory; must outlive the engines' read of it."""
+        """The newest bucket's shared memory; must outlive the engines' read of it."""
+        self.previous: list[torch.Tensor] = []
+        """The bucket before it, which the engines may still be loading."""
 
     def next(self) -> dict[str, Any] | None:
         """The next bucket's export (see `ipc_payload.RankExport`), or None after the last."""
-        self.held = []  # every engine loaded the previous bucket before the driver asked again
+        # The engines may still load the newest bucket; the one before it they all loaded.
+        self.previous, self.held = self.held, []
         bucket = next(self.buckets, None)
         if bucket is None:
             return None
@@ -77,7 +81,7 @@ class IpcExporter:
         }
 
     def close(self) -> None:
-        self.held = []
+        self.held, self.previous = [], []
         close = getattr(self.buckets, "close", None)
         if close is not None:
             close()
@@ -112,7 +116,7 @@ def physical_gpu(device_index: int) -> int | None:
 
 
 class Exporter(Protocol):
-    """One rank's export in progress (`IpcExporter`, `fast_rank.FastExporter`)."""
+    """One rank's export in progress (`IpcExporter`)."""
 
     def next(self) -> dict[str, Any] | None: ...
 

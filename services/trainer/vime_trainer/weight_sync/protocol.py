@@ -5,11 +5,16 @@
    reset — retried once a second, up to 60 times, while blocks are still held;
 47 ``/start_weight_update`` (after ``/init_weight_transfer_engine`` when the transport has an
    init body: IPC sends ``{}``, as vLLM's helper does; a no-op in 0.26);
-48–50 one ``/update_weights`` per bucket, the same bucket to every engine concurrently, the next
-   bucket only once all of them loaded this one;
+48–50 one ``/update_weights`` per bucket, the same bucket to every engine concurrently; the
+   transport prepares the next bucket while the engines load this one, and it is sent once all of
+   them have;
 51 ``/finish_weight_update {"weight_version": "<v>"}`` (0.33 and the reference engine keep the
    label; 0.26 ignores the body);
 52 ``/resume``.
+
+Every call of a push goes to all engines at once; each phase is timed apart (`PushReport.phases`,
+and the ``seconds`` of its ``weights.<phase>`` event). ``engine.weight_load: direct`` replaces
+47–51 by the engines' direct-load extension (`direct_sync`).
 
 A push that fails after the pause leaves the engines paused: serving half-updated weights would
 be worse than not serving. The update session is closed best-effort so a later push can start.
@@ -27,6 +32,7 @@ from typing import Any, TypeVar
 
 from vime.clients.base import ServiceCallError, ServiceUnreachable
 from vime.clients.engine import EngineClient
+from vime.wire.engine import PauseMode
 from vime.wire.rollout import EngineInfo
 from vime_trainer.weight_sync.transport import OutgoingBucket, WeightTransport
 
@@ -50,10 +56,13 @@ class PushReport:
     buckets: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    """Pause → resume."""
     phases: dict[str, float] = field(default_factory=dict)
+    weight_load: str = "vllm"
+    """How the engines loaded the weights: ``vllm`` (its weight loaders) or ``direct``."""
 
 
-def _no_event(action: str, **detail: Any) -> None:
+def no_event(action: str, **detail: Any) -> None:
     return None
 
 
@@ -64,7 +73,7 @@ class WeightSync:
         self,
         transport: WeightTransport,
         *,
-        on_event: EventFn = _no_event,
+        on_event: EventFn = no_event,
         reset_attempts: int = 60,
         reset_interval_s: float = 1.0,
         client_factory: Callable[[str], EngineClient] | None = None,
@@ -83,27 +92,23 @@ class WeightSync:
         clients = {e.url: self.client_factory(e.url) for e in engines}
         start = time.perf_counter()
         try:
-            await self._phase(
-                report, "pause", clients, lambda c: c.pause("abort" if flush else "keep", clear_cache=False)
-            )
-            self.on_event("weights.pause", mode="abort" if flush else "keep")
+            mode: PauseMode = "abort" if flush else "keep"
+            await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
             if flush:
                 await self._phase(report, "flush", clients, self._reset_prefix_cache)
-                self.on_event("weights.flush")
             init_info = getattr(self.transport, "init_info", None)
             if init_info is not None:
                 await self._phase(report, "init", clients, lambda c: c.init_weight_transfer_engine(init_info))
             await self._phase(report, "start", clients, lambda c: c.start_weight_update())
-            self.on_event("weights.start")
             try:
                 await self._send_buckets(report, engines, clients)
-                await self._phase(report, "finish", clients, lambda c: c.finish_weight_update(version))
+                await self._phase(
+                    report, "finish", clients, lambda c: c.finish_weight_update(version), version=version
+                )
             except BaseException:
                 await self._close_sessions(clients)
                 raise
-            self.on_event("weights.finish", version=version)
             await self._phase(report, "resume", clients, lambda c: c.resume())
-            self.on_event("weights.resume")
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
         report.seconds = time.perf_counter() - start
@@ -114,19 +119,29 @@ class WeightSync:
     ) -> None:
         it = self.transport.buckets(engines)
         t0 = time.perf_counter()
+        ahead: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(_next_or_none, it))
         try:
-            while (bucket := await asyncio.to_thread(_next_or_none, it)) is not None:
-                await _fan_out(
-                    "update_weights",
-                    {e.url: _update_call(clients[e.url], bucket, e) for e in engines},
+            while (bucket := await ahead) is not None:
+                tb = time.perf_counter()
+                loading = asyncio.ensure_future(
+                    _fan_out(
+                        "update_weights", {e.url: _update_call(clients[e.url], bucket, e) for e in engines}
+                    )
                 )
+                ahead = asyncio.ensure_future(asyncio.to_thread(_next_or_none, it))  # the next, meanwhile
+                await loading
                 report.buckets += 1
                 report.nbytes += bucket.nbytes
                 self.on_event(
-                    "weights.update", bucket=bucket.index, nbytes=bucket.nbytes, tensors=bucket.num_tensors
+                    "weights.update",
+                    bucket=bucket.index,
+                    nbytes=bucket.nbytes,
+                    tensors=bucket.num_tensors,
+                    seconds=round(time.perf_counter() - tb, 4),
                 )
         finally:
-            await asyncio.to_thread(_close, it)  # frees (or deletes) what the transport still holds
+            await asyncio.gather(ahead, return_exceptions=True)
+            await asyncio.to_thread(it.close)  # frees (or deletes) what the transport still holds
             report.phases["update"] = time.perf_counter() - t0
         if report.buckets == 0:
             raise WeightSyncError(f"the {self.transport.name} transport produced no weight bucket")
@@ -137,10 +152,17 @@ class WeightSync:
         name: str,
         clients: dict[str, EngineClient],
         call: Callable[[EngineClient], Awaitable[Any]],
+        **detail: Any,
     ) -> None:
+        """One call on every engine at once, timed; event ``weights.<name>`` (not for ``init``)."""
         t0 = time.perf_counter()
         await _fan_out(name, {url: call(c) for url, c in clients.items()})
-        report.phases[name] = time.perf_counter() - t0
+        report.phases[name] = seconds = time.perf_counter() - t0
+        if name != "init":
+            self.on_event(f"weights.{name}", seconds=round(seconds, 4), **detail)
+
+    async def aclose(self) -> None:
+        """Release what the sync holds across pushes (nothing for the stock push)."""
 
     async def _reset_prefix_cache(self, client: EngineClient) -> None:
         """Flush the prefix cache; vLLM answers success=false while blocks are held, so retry."""
@@ -184,9 +206,3 @@ async def _fan_out(phase: str, calls: dict[str, Awaitable[Any]]) -> None:
 
 def _next_or_none(it: Iterator[T]) -> T | None:
     return next(it, None)
-
-
-def _close(it: Iterator[Any]) -> None:
-    close = getattr(it, "close", None)
-    if close is not None:
-        close()

@@ -2,9 +2,12 @@
 
 A transport turns the trainer's current weights into a stream of buckets. Each bucket knows the
 ``update_info`` body of vLLM's ``POST /update_weights`` for a given engine (CUDA IPC handles of
-the GPUs that engine runs on, or the path of a safetensors file) and stays valid until the next
-bucket is asked for or the stream is closed: the protocol only moves on once every engine has
-loaded it, so a transport may free a bucket's memory (or delete its file) at that point.
+the GPUs that engine runs on, or the path of a safetensors file) and stays valid until the bucket
+after the next is asked for, or the stream is closed: the protocol asks for the next bucket while
+the engines load the current one, and for the one after only once every engine has loaded it, so a
+transport may free a bucket's memory (or delete its file) at that point. Running out frees
+nothing (the engines may still be loading the last bucket): the protocol always closes the stream
+once every engine has loaded it, or when the push is abandoned.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ class WeightTransport(Protocol):
     init_info: dict[str, Any] | None
     """``/init_weight_transfer_engine`` body sent before each update session (None: not sent)."""
 
-    def buckets(self, engines: Sequence[EngineInfo]) -> Iterator[OutgoingBucket]:
+    def buckets(self, engines: Sequence[EngineInfo]) -> BucketStream:
         """The model's buckets in order; blocking (the protocol runs it in a worker thread)."""
         ...
+
+
+class BucketStream(Protocol):
+    """An iterator of buckets whose ``close`` releases what the transport still holds."""
+
+    def __iter__(self) -> Iterator[OutgoingBucket]: ...
+    def __next__(self) -> OutgoingBucket: ...
+    def close(self) -> None: ...

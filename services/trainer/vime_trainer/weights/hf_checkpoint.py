@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from vime_trainer.weights.bucket_files import _owned_cpu
 from vime_trainer.weights.buckets import pack_buckets
-from vime_trainer.weights.shm import _owned_cpu
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

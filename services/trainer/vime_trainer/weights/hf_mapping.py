@@ -64,6 +64,34 @@ def hf_names(arch: Architecture) -> list[str]:
     return [hf for name in mcore_names(arch) for hf in hf_sources(arch, name)]
 
 
+def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor an HF checkpoint of ``arch`` stores, by name (`hf_names` order)."""
+    h, d, ffn = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    layer = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (ffn, h),
+        "mlp.up_proj.weight": (ffn, h),
+        "mlp.down_proj.weight": (h, ffn),
+    }
+    top = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "lm_head.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    return {n: layer[n.split(".", 3)[3]] if n.startswith("model.layers.") else top[n] for n in hf_names(arch)}
+
+
 def hf_sources(arch: Architecture, name: str) -> list[str]:
     """The HF tensors Megatron parameter ``name`` (global layer index) is built from."""
     if name == "output_layer.weight" and arch.tie_word_embeddings:

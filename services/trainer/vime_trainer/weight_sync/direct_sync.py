@@ -1,0 +1,392 @@
+"""The direct weight load, driven from the trainer (``engine.weight_load: direct``).
+
+The same protocol frame as the stock push (`WeightSync`) — seed step 46 pause (``abort`` when
+flushing, else ``keep``) and prefix-cache flush, step 52 resume — but instead of vLLM's
+start/update/finish_weight_update each bucket goes in with one ``vime_direct_load`` call of the
+engines' worker extension (`vime.wire.direct_load`), which copies it out of the trainer's staging
+buffer into the parameter views it recorded.
+
+Before anything is paused, `DirectSync.prepare` reads the layout of every engine it has not opened
+yet and checks it against what the trainer exports; whatever cannot be loaded exactly is refused
+then, and the run keeps vLLM's loader from that push on, with a warning and a
+``weights.direct_refused`` event. The trainer's staging buffers are allocated once per run and
+opened by each engine once per engine start (an engine whose pid or restart count changed is
+opened again before the next pause).
+
+Per push the trainer packs bucket k+1 into one buffer while the engines copy bucket k out of the
+other. Every engine returns the checksum of what its parameters hold after the copy; it must equal
+the trainer's checksum of what it packed, or the push fails and the engines stay paused — never
+serving weights that are not the trainer's. Engines that keep a weight-version label (vLLM ≥ 0.33,
+the reference engine) get it with ``/update_weight_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vime.clients.base import ServiceCallError
+from vime.clients.engine import EngineClient
+from vime.wire.direct_load import CLOSE, EXTENSION, LAYOUT, LOAD, OPEN, aligned, encode_load, encode_open
+from vime.wire.engine import PauseMode
+from vime.wire.rollout import EngineInfo
+from vime_trainer.weight_sync.direct_plan import DirectLoadRefused, DirectPlan
+from vime_trainer.weight_sync.direct_rank import BufferKind
+from vime_trainer.weight_sync.ipc import RankActors, call_on_ranks
+from vime_trainer.weight_sync.ipc_payload import RankGpu, ranks_for_engine
+from vime_trainer.weight_sync.protocol import (
+    UPDATE_TIMEOUT_S,
+    PushReport,
+    WeightSync,
+    WeightSyncError,
+    _fan_out,
+)
+
+log = logging.getLogger("vime.trainer.weights")
+
+
+@dataclass(frozen=True)
+class RankBuffers:
+    """Where one trainer rank lives and its staging buffers' specs (none on CPU ranks other than 0)."""
+
+    gpu: RankGpu
+    buffers: list[dict[str, Any]]
+
+
+class DirectRanks(Protocol):
+    """What the direct load needs of the trainer ranks (`RayRanks`; tests run one in-process)."""
+
+    def export_spec(self) -> Mapping[str, tuple[Sequence[int], str]]: ...
+    def open(self, plan: DirectPlan, buffer_bytes: int, slots: int) -> list[RankBuffers]: ...
+    def begin(self) -> None: ...
+    def next(self, slot: int) -> list[dict[str, Any] | None]: ...
+    def end(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class RayRanks:
+    """`DirectRanks` over the trainer's Ray actors (`direct_rank` runs inside each)."""
+
+    def __init__(self, group: RankActors, kind: BufferKind, directory: str | None = None) -> None:
+        self.group, self.kind, self.directory = group, kind, directory
+
+    def export_spec(self) -> Mapping[str, tuple[Sequence[int], str]]:
+        from vime_trainer.weight_sync import direct_rank
+
+        spec: dict[str, Any] = call_on_ranks(self.group, direct_rank.direct_spec)[0]
+        return {n: (shape, dtype) for n, (shape, dtype) in spec.items()}
+
+    def open(self, plan: DirectPlan, buffer_bytes: int, slots: int) -> list[RankBuffers]:
+        from vime_trainer.weight_sync import direct_rank
+
+        raw = call_on_ranks(
+            self.group,
+            direct_rank.direct_open,
+            plan.to_dict(),
+            buffer_bytes,
+            slots,
+            self.kind,
+            self.directory,
+        )
+        return [RankBuffers(RankGpu(r["rank"], r["gpu_uuid"], r["physical_gpu"]), r["buffers"]) for r in raw]
+
+    def begin(self) -> None:
+        from vime_trainer.weight_sync import direct_rank
+
+        call_on_ranks(self.group, direct_rank.direct_begin)
+
+    def next(self, slot: int) -> list[dict[str, Any] | None]:
+        from vime_trainer.weight_sync import direct_rank
+
+        return call_on_ranks(self.group, direct_rank.direct_next, slot)
+
+    def end(self) -> None:
+        from vime_trainer.weight_sync import direct_rank
+
+        call_on_ranks(self.group, direct_rank.direct_end)
+
+    def close(self) -> None:
+        from vime_trainer.weight_sync import direct_rank
+
+        if self.group.actors:
+            call_on_ranks(self.group, direct_rank.direct_close)
+
+
+@dataclass(frozen=True)
+class DirectBucket:
+    index: int
+    params: list[list[Any]]
+    nbytes: int
+    checksum: str
+
+    @classmethod
+    def from_exports(cls, exports: Sequence[dict[str, Any] | None]) -> DirectBucket | None:
+        """The bucket every rank packed (None after the last); the ranks must agree on it."""
+        if all(e is None for e in exports):
+            return None
+        if any(e is None for e in exports):
+            raise WeightSyncError("trainer ranks ran out of buckets at different points")
+        done = [e for e in exports if e is not None]
+        first = done[0]
+        if any((e["index"], e["params"]) != (first["index"], first["params"]) for e in done):
+            raise WeightSyncError(f"trainer ranks packed different buckets at bucket {first['index']}")
+        sums = {e["checksum"] for e in done if e["checksum"] is not None}
+        if len(sums) != 1:
+            raise WeightSyncError(f"bucket {first['index']}: trainer ranks' checksums {sorted(sums)}")
+        return cls(int(first["index"]), first["params"], int(first["nbytes"]), sums.pop())
+
+
+async def collective_rpc(client: EngineClient, method: str, *args: str) -> list[Any]:
+    """vLLM's ``POST /collective_rpc`` (string arguments only): one result per worker."""
+    body = {"method": method, "args": list(args), "timeout": UPDATE_TIMEOUT_S}
+    out = await client.request("POST", "/collective_rpc", json=body, timeout=UPDATE_TIMEOUT_S)
+    return list(out["results"]) if isinstance(out, dict) else []
+
+
+def _key(engine: EngineInfo) -> tuple[int | None, int]:
+    return engine.pid, engine.restarts
+
+
+class DirectSync(WeightSync):
+    """`WeightSync` with the engines' weights written by the direct-load extension; ``fallback``
+    (the stock push) takes over for the rest of the run once the direct load is refused."""
+
+    def __init__(
+        self,
+        ranks: DirectRanks,
+        fallback: WeightSync,
+        *,
+        bucket_bytes: int = 1 << 30,
+        client_factory: Callable[[str], EngineClient] | None = None,
+    ) -> None:
+        super().__init__(
+            fallback.transport,
+            on_event=fallback.on_event,
+            reset_attempts=fallback.reset_attempts,
+            reset_interval_s=fallback.reset_interval_s,
+            client_factory=client_factory or fallback.client_factory,
+        )
+        self.ranks, self.fallback, self.bucket_bytes = ranks, fallback, bucket_bytes
+        self.session = uuid.uuid4().hex
+        self.plan: DirectPlan | None = None
+        self.rank_buffers: list[RankBuffers] = []
+        self.slots = 1
+        self.opened: dict[str, tuple[int | None, int]] = {}
+        """Engines that opened this session's buffers, with the (pid, restarts) they had then."""
+        self.labels: dict[str, bool] = {}
+        self.refused: str | None = None
+
+    @property
+    def weight_load(self) -> str:
+        return "vllm" if self.refused is not None else "direct"
+
+    async def push(self, engines: Sequence[EngineInfo], version: int, flush: bool) -> PushReport:
+        if engines and self.refused is None:
+            try:
+                await self.prepare(engines)
+            except DirectLoadRefused as exc:
+                self.refused = str(exc)
+                log.warning("engine.weight_load=direct refused, using vLLM's loader for this run: %s", exc)
+                self.on_event("weights.direct_refused", reason=self.refused)
+        if self.refused is not None:
+            return await self.fallback.push(engines, version, flush)
+        return await self._push_direct(engines, version, flush)
+
+    # --- once per engine start -------------------------------------------------------------------
+    async def prepare(self, engines: Sequence[EngineInfo]) -> None:
+        """Check and open every engine not opened yet (nothing is paused); DirectLoadRefused when it cannot be."""
+        stale = [e for e in engines if self.opened.get(e.url) != _key(e)]
+        if not stale:
+            return
+        t0 = time.perf_counter()
+        clients = {e.url: self.client_factory(e.url) for e in stale}
+        try:
+            layouts = await _gather("direct layout", {u: self._layout(u, c) for u, c in clients.items()})
+            plans = {u: DirectPlan.from_layout(layout) for u, layout in layouts.items()}
+            for url, plan in plans.items():
+                if plan != (self.plan or next(iter(plans.values()))):
+                    raise DirectLoadRefused(f"{url} reports another parameter layout than the other engines")
+            if self.plan is None:
+                plan = next(iter(plans.values()))
+                plan.check_export(await asyncio.to_thread(self.ranks.export_spec))
+                buffer_bytes = plan.buffer_bytes(self.bucket_bytes)
+                self.slots = 2 if sum(aligned(p.nbytes) for p in plan.params.values()) > buffer_bytes else 1
+                self.rank_buffers = await asyncio.to_thread(self.ranks.open, plan, buffer_bytes, self.slots)
+                self.plan = plan
+            labels = await _gather("weight_info", {u: c.weight_version() for u, c in clients.items()})
+            opening = {
+                e.url: collective_rpc(clients[e.url], OPEN, encode_open(self.session, self._buffers_for(e)))
+                for e in stale
+            }
+            await _gather("direct open", opening)
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        for e in stale:
+            self.opened[e.url] = _key(e)
+            self.labels[e.url] = labels[e.url] is not None
+        self.on_event(
+            "weights.direct_open",
+            engines=[e.url for e in stale],
+            slots=self.slots,
+            buffer_bytes=self.rank_buffers[0].buffers[0]["nbytes"] if self.rank_buffers else 0,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
+
+    async def _layout(self, url: str, client: EngineClient) -> list[dict[str, Any]]:
+        try:
+            results = await collective_rpc(client, LAYOUT)
+        except ServiceCallError as exc:
+            raise DirectLoadRefused(
+                f"{url} does not answer {LAYOUT} ({exc.status_code}: {exc.message}); engines need "
+                f"--worker-extension-cls {EXTENSION} (engine.weight_load=direct starts them with it)"
+            ) from None
+        if len(results) != 1:
+            raise DirectLoadRefused(
+                f"{url} has {len(results)} workers: the direct load needs each engine on one"
+            )
+        layout = results[0]
+        if not isinstance(layout, dict) or not isinstance(layout.get("params"), list):
+            raise DirectLoadRefused(f"{url} answered {LAYOUT} with {layout!r}")
+        if layout.get("refusal"):
+            raise DirectLoadRefused(f"{url}: {layout['refusal']}")
+        return list(layout["params"])
+
+    def _buffers_for(self, engine: EngineInfo) -> list[dict[str, Any]]:
+        """The buffer specs ``engine`` opens: its GPUs' IPC handles merged per slot, or rank 0's files."""
+        sharing = [r for r in self.rank_buffers if r.buffers]
+        if not sharing:
+            raise WeightSyncError("no trainer rank shares a staging buffer")
+        if "cuda_ipc" not in sharing[0].buffers[0]:
+            return list(sharing[0].buffers)
+        chosen = set(ranks_for_engine(engine, [r.gpu for r in sharing]))
+        out = []
+        for slot, spec in enumerate(sharing[0].buffers):
+            handles: dict[str, Any] = {}
+            for r in sharing:
+                if r.gpu.rank in chosen:
+                    handles.update(r.buffers[slot]["cuda_ipc"])
+            out.append({"nbytes": spec["nbytes"], "cuda_ipc": handles})
+        return out
+
+    # --- every push --------------------------------------------------------------------------------
+    async def _push_direct(self, engines: Sequence[EngineInfo], version: int, flush: bool) -> PushReport:
+        report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
+        clients = {e.url: self.client_factory(e.url) for e in engines}
+        start = time.perf_counter()
+        try:
+            mode: PauseMode = "abort" if flush else "keep"
+            await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
+            if flush:
+                await self._phase(report, "flush", clients, self._reset_prefix_cache)
+            await self._load(report, engines, clients)
+            labelled = {u: c for u, c in clients.items() if self.labels.get(u)}
+            if labelled:
+                await self._phase(report, "label", labelled, lambda c: _label(c, version), version=version)
+            await self._phase(report, "resume", clients, lambda c: c.resume())
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    async def _load(
+        self, report: PushReport, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]
+    ) -> None:
+        """Every bucket into every engine; bucket k+1 is packed while k is copied (two buffers)."""
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.ranks.begin)
+        packing: asyncio.Future[list[dict[str, Any] | None]] | None = asyncio.ensure_future(
+            asyncio.to_thread(self.ranks.next, 0)
+        )
+        slot = 0
+        try:
+            while packing is not None:
+                exports = await packing
+                packing = None
+                bucket = DirectBucket.from_exports(exports)
+                if bucket is None:
+                    break
+                tb = time.perf_counter()
+                following = (slot + 1) % self.slots
+                loading = asyncio.ensure_future(self._load_bucket(bucket, slot, engines, clients))
+                if self.slots > 1:  # the other buffer is free: every engine finished copying out of it
+                    packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, following))
+                await loading
+                if packing is None:
+                    packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, following))
+                slot = following
+                report.buckets += 1
+                report.nbytes += bucket.nbytes
+                self.on_event(
+                    "weights.update",
+                    bucket=bucket.index,
+                    nbytes=bucket.nbytes,
+                    tensors=len(bucket.params),
+                    seconds=round(time.perf_counter() - tb, 4),
+                )
+        finally:
+            if packing is not None:
+                await asyncio.gather(packing, return_exceptions=True)
+            await asyncio.to_thread(self.ranks.end)
+            report.phases["update"] = time.perf_counter() - t0
+        if report.buckets == 0:
+            raise WeightSyncError("the trainer produced no weight bucket")
+
+    async def _load_bucket(
+        self, bucket: DirectBucket, slot: int, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]
+    ) -> None:
+        payload = encode_load(self.session, slot, bucket.index, bucket.params)
+        answers: dict[str, Any] = {}
+
+        async def one(url: str) -> None:
+            answers[url] = await collective_rpc(clients[url], LOAD, payload)
+
+        await _fan_out(LOAD, {e.url: one(e.url) for e in engines})
+        nbytes = sum(int(n) for _, _, n in bucket.params)
+        for url, results in answers.items():
+            got = results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
+            if int(got.get("bytes", -1)) != nbytes or str(got.get("checksum")) != bucket.checksum:
+                raise WeightSyncError(
+                    f"bucket {bucket.index}: {url} holds {got.get('bytes')} bytes with checksum "
+                    f"{got.get('checksum')} after the copy, the trainer packed {nbytes} with {bucket.checksum}; "
+                    "the engines stay paused"
+                )
+
+    async def aclose(self) -> None:
+        """Engines drop the buffers, then the ranks free them (best effort: the run is ending)."""
+        if self.opened:
+            clients = {url: self.client_factory(url) for url in self.opened}
+            try:
+                await asyncio.gather(
+                    *(collective_rpc(c, CLOSE) for c in clients.values()), return_exceptions=True
+                )
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+            self.opened.clear()
+        if self.plan is not None:
+            try:
+                await asyncio.to_thread(self.ranks.close)
+            except Exception as exc:
+                log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
+
+
+async def _label(client: EngineClient, version: int) -> None:
+    await client.request("POST", "/update_weight_version", json={"new_version": str(version)})
+
+
+async def _gather(phase: str, calls: Mapping[str, Awaitable[Any]]) -> dict[str, Any]:
+    """Each engine's result; a refusal from any engine wins over other failures (WeightSyncError)."""
+    results = await asyncio.gather(*calls.values(), return_exceptions=True)
+    out = dict(zip(calls, results, strict=True))
+    for r in results:
+        if isinstance(r, DirectLoadRefused | asyncio.CancelledError | KeyboardInterrupt):
+            raise r
+    failed = {u: r for u, r in out.items() if isinstance(r, BaseException)}
+    if failed:
+        detail = "; ".join(f"{u}: {type(e).__name__}: {e}" for u, e in failed.items())
+        raise WeightSyncError(f"{phase} failed on {len(failed)} engine(s): {detail}")
+    return out
