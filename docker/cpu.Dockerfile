@@ -4,7 +4,12 @@
 #   docker build -f docker/cpu.Dockerfile --target all -t vime-cpu-all:0.1.0 .
 #       the whole system on CPU (laptop profile): all four services, the CPU build of torch,
 #       megatron-core on gloo ranks and the reference inference engine (the CPU stand-in for vLLM)
+#   docker build -f docker/cpu.Dockerfile --target redis -t vime-redis:0.1.0 .
+#       Debian's redis-server on the same base, for hosts that cannot pull `redis:` (compose:
+#       VIME_REDIS_IMAGE); `all` is built on it, so it costs nothing more once `all` is built
 # Python 3.11 and torch 2.13.0 (CPU) match the CI machines, where the CPU path is tested.
+# Without a registry (scripts/containers.sh): PYTHON_IMAGE is a Debian rootfs made with
+# debootstrap, TORCH_FIND_LINKS a local server of the CPU torch wheel, TORCH_INDEX_URL PyPI.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -26,9 +31,13 @@ COPY services/reward ./services/reward
 RUN pip install --no-cache-dir . ./services/router ./services/reward
 
 FROM build-service AS build-all
+# torch first, from the CPU index, so the services' `torch>=2.6` never pulls a CUDA build. A
+# find-links source (a URL listing the CPU wheel) is looked at first when one is given.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=""
 COPY docker/cpu-constraints.txt /tmp/constraints.txt
-# torch first, from the CPU index, so the services' `torch>=2.6` never pulls a CUDA build.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu -c /tmp/constraints.txt torch
+RUN PIP_FIND_LINKS="$TORCH_FIND_LINKS" \
+    pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c /tmp/constraints.txt torch
 COPY services/rollout ./services/rollout
 COPY services/trainer ./services/trainer
 RUN pip install --no-cache-dir -c /tmp/constraints.txt ".[models]" "./services/rollout[reference]" ./services/trainer
@@ -49,12 +58,19 @@ COPY --from=build-service /opt/venv /opt/venv
 USER 10001:10001
 CMD ["python", "-m", "vime_reward", "--help"]
 
-FROM runtime AS all
-# redis-server lets `vime train` run the whole system in this one container, with a private
-# Redis started by the launcher, when no Redis URL is configured.
+# Debian's redis-server: the Redis image where none can be pulled (it keeps its data in /data,
+# which uid 10001 owns), and part of `all`.
+FROM runtime AS redis
 RUN apt-get update \
     && apt-get install -y --no-install-recommends redis-server \
     && rm -rf /var/lib/apt/lists/*
-COPY --from=build-all /opt/venv /opt/venv
 USER 10001:10001
+WORKDIR /data
+CMD ["redis-server", "--protected-mode", "no", "--dir", "/data"]
+
+FROM redis AS all
+# redis-server (from the redis stage) lets `vime train` run the whole system in this one
+# container, with a private Redis started by the launcher, when no Redis URL is configured.
+COPY --from=build-all /opt/venv /opt/venv
+WORKDIR /home/vime
 CMD ["vime", "--help"]

@@ -136,6 +136,22 @@ def test_redis_persists_with_aof_on_a_volume(config: dict) -> None:
     assert "redis-data" in config["volumes"]
 
 
+def test_redis_image_and_router_file_limit_are_pinned_and_overridable(compose_config: ComposeConfig) -> None:
+    """A host without a registry builds Redis from Debian packages (cpu.Dockerfile target `redis`), a
+    host whose hard open-files limit is below 65536 lowers the router's; the defaults stay."""
+    default = compose_config("cpu")["services"]
+    assert default["redis"]["image"] == "redis:7.4.2-bookworm"
+    assert default["router"]["ulimits"]["nofile"] == 65536
+    env = {"VIME_REDIS_IMAGE": "vime-redis:0.1.0", "VIME_ROUTER_NOFILE": "20000"}
+    changed = compose_config("cpu", env=env)["services"]
+    assert changed["redis"]["image"] == "vime-redis:0.1.0"
+    assert changed["router"]["ulimits"]["nofile"] == 20000
+    # Any Redis image accepts connections from the other containers (the official image has
+    # protected mode off by default; Debian's redis-server does not).
+    cmd = default["redis"]["command"]
+    assert cmd[cmd.index("--protected-mode") + 1] == "no"
+
+
 def test_data_volumes_are_named_by_default_and_bind_mounted_when_set(compose_config: ComposeConfig) -> None:
     default = compose_config()["services"]["trainer"]["volumes"]
     assert {v["target"]: v["type"] for v in default if v["target"] != "/etc/vime/run.yaml"} == {

@@ -14,7 +14,7 @@ from deploy_support import ROOT, find_tool, run_tool
 DOCKER = ROOT / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 # The stage each image is built from (compose `target`; the GPU image has one final stage).
-FINAL_STAGES = {"cpu.Dockerfile": ["service", "all"], "gpu.Dockerfile": ["runtime"]}
+FINAL_STAGES = {"cpu.Dockerfile": ["service", "all", "redis"], "gpu.Dockerfile": ["runtime"]}
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:
@@ -169,6 +169,26 @@ def test_dockerignore_keeps_secrets_and_local_state_out() -> None:
     )
     for path in needed:
         assert not _ignored(path, patterns), f"{path} is needed by the images"
+
+
+def test_cpu_torch_comes_from_the_cpu_index_unless_a_wheel_source_is_given() -> None:
+    """Defaults: PyTorch's CPU index alone (never PyPI's CUDA build); scripts/containers.sh passes
+    a loopback server of the local CPU wheel as TORCH_FIND_LINKS where no such index is reachable."""
+    stage = _stages(DOCKER / "cpu.Dockerfile")["build-all"]
+    args = dict(a.split("=", 1) for i, a in stage if i == "ARG" and "=" in a)
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert args["TORCH_FIND_LINKS"] == '""'
+    torch = next(a for i, a in stage if i == "RUN" and a.rstrip().endswith(" torch"))
+    assert '--index-url "$TORCH_INDEX_URL"' in torch and 'PIP_FIND_LINKS="$TORCH_FIND_LINKS"' in torch
+    assert "-c /tmp/constraints.txt" in torch
+
+
+def test_the_all_image_is_built_on_the_redis_stage() -> None:
+    """`vime train` in the `all` image starts its own redis-server; the `redis` stage brings it."""
+    stages = _stages(DOCKER / "cpu.Dockerfile")
+    redis = " ".join(a for i, a in stages["redis"] if i == "RUN")
+    assert "redis-server" in redis
+    assert stages["all"][: len(stages["redis"])] == stages["redis"]
 
 
 def _pin(lines: list[str], name: str) -> str:
