@@ -79,6 +79,14 @@ def parse_args() -> argparse.Namespace:
         choices=["vllm", "direct"],
         help="engine.weight_load of each run, in order (one run each, same stack)",
     )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the whole stack, e.g. trainer.packed_sequences=true",
+    )
     p.add_argument("--work", type=Path, default=None)
     return p.parse_args()
 
@@ -259,7 +267,7 @@ def main() -> None:
     t0 = time.monotonic()
     model = bench_model(work / "model", args.size, gpu=args.engine == "vllm")
     console.print(f"model {args.size} built in {time.monotonic() - t0:.0f}s")
-    plan = plan_stack(load_config(base=run_config(work, args, model), environ={}))
+    plan = plan_stack(load_config(base=run_config(work, args, model), overrides=args.overrides, environ={}))
     sup = Supervisor(plan, console, SignalLatch())
     out: dict[str, Any] = {
         "engine": args.engine,

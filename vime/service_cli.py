@@ -47,6 +47,6 @@ def setup_logging(level: str, *quiet: str) -> None:
 
 def run_command(command: Callable[..., Any], prog: str) -> None:
     """``python -m <prog>``: parse the command line into ``command``'s typer options and run it."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
     app.command(help=command.__doc__)(command)
     app(prog_name=prog)

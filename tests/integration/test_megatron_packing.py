@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 from vime_trainer.megatron.actor_group import ActorGroup
 
-from tests.support.megatron import by_sample, hf_reference, rank_gradients, rollout_batch, run_config, split
+from tests.support.megatron import (
+    Publisher,
+    by_sample,
+    hf_reference,
+    rank_gradients,
+    rollout_batch,
+    run_config,
+    split,
+)
 from vime.batch import RankBatch
 from vime.config import RunConfig
 
@@ -73,7 +81,7 @@ def test_token_budget_micro_batches_give_the_fixed_split_gradients(
     ("tp", "pp"), [pytest.param(1, 1, id="dp2"), pytest.param(2, 1, id="tp2"), pytest.param(1, 2, id="pp2")]
 )
 def test_packed_budget_steps_with_recompute_and_fused_adam_train_like_hf(
-    ray_cluster: None, qwen3: Path, tmp_path: Path, tp: int, pp: int
+    ray_cluster: None, qwen3: Path, tmp_path: Path, tp: int, pp: int, publish: Publisher
 ) -> None:
     """Two ranks (DP, TP or PP), packed token-budget micro-batches: loss, grad norm, entropy of HF + AdamW."""
     trainer = {
@@ -95,7 +103,7 @@ def test_packed_budget_steps_with_recompute_and_fused_adam_train_like_hf(
         for r in range(2):
             for rb in rbs:
                 rb.rollout_id = r
-            got.append(group.train(r, rbs)[0])
+            got.append(group.train(publish(rbs)).steps[0])
     finally:
         group.shutdown()
     for step, ref in zip(got, reference, strict=True):

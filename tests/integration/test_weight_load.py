@@ -27,7 +27,7 @@ from vime_trainer.weight_sync import WeightSync, WeightSyncError, make_weight_sy
 from vime_trainer.weight_sync.direct_sync import DirectSync
 
 from tests.support.direct_ranks import LocalRanks
-from tests.support.megatron import one, rollout_batch, run_config, split
+from tests.support.megatron import Publisher, one, rollout_batch, run_config, split
 from vime import procs
 from vime.wire.direct_load import EXTENSION
 from vime.wire.rollout import EngineInfo
@@ -119,23 +119,24 @@ def group(ray_cluster: None, qwen3: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_direct_pushes_give_the_engine_the_trainers_weights(
-    group: ActorGroup, engines: dict[str, str]
+    group: ActorGroup, engines: dict[str, str], publish: Publisher
 ) -> None:
     events, on_event = recorder()
     sync = make_weight_sync(group.config, group, on_event=on_event)
     assert isinstance(sync, DirectSync)
     url = engines["direct"]
     try:
-        group.train(0, split(group.config, rollout_batch(group.config, 0, seed=7)))
+        group.train(publish(split(group.config, rollout_batch(group.config, 0, seed=7))))
         assert gap(url, group) > 1e-3  # training moved the trainer away from the engine's checkpoint
         report = asyncio.run(sync.push([info(url)], 2, flush=True))
         assert report.weight_load == "direct" and report.buckets >= 1
         assert gap(url, group) < 1e-4
         assert httpx.get(url + "/weight_info").json() == {"weight_version": "2"}
 
-        group.train(1, split(group.config, rollout_batch(group.config, 1, seed=8)))
+        group.train(publish(split(group.config, rollout_batch(group.config, 1, seed=8))))
         group.sleep()  # seed step 41: the push reads the CPU backup
         asyncio.run(sync.push([info(url)], 3, flush=False))
+        group.wake_up()  # the comparison runs the trainer's forward
         assert gap(url, group) < 1e-4
     finally:
         asyncio.run(sync.aclose())
@@ -155,13 +156,14 @@ def test_direct_pushes_give_the_engine_the_trainers_weights(
     ids=["other-dtype", "no-extension"],
 )
 def test_refused_engines_get_vllms_loader_instead(
-    group: ActorGroup, engines: dict[str, str], flavour: str, reason: str
+    group: ActorGroup, engines: dict[str, str], flavour: str, reason: str, publish: Publisher
 ) -> None:
     events, on_event = recorder()
     sync = make_weight_sync(group.config, group, on_event=on_event)
     url = engines[flavour]
     before = engine_logprobs(url)
-    group.train(5, split(group.config, rollout_batch(group.config, 5, seed=11)))
+    group.wake_up()  # an earlier test may have left the ranks asleep
+    group.train(publish(split(group.config, rollout_batch(group.config, 5, seed=11))))
     try:
         report = asyncio.run(sync.push([info(url)], 7, flush=True))
         report_2 = asyncio.run(sync.push([info(url)], 8, flush=True))

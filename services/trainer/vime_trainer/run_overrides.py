@@ -30,7 +30,6 @@ RUN_FIELDS = frozenset(
         "log_tensorboard",
         "log_wandb",
         "advantage_estimator",
-        "loss_type",
         "kl_coef",
         "entropy_coef",
         "eps_clip",
@@ -49,9 +48,12 @@ each request, which refuses one that does not split its batches)."""
 SECTION_FIELDS: dict[str, frozenset[str]] = {
     "trainer": frozenset(TrainerConfig.model_fields) - {"weight_dir"},
     "services": frozenset({"rollout_url"}),
+    "engine": frozenset({"weight_load"}),
 }
 """Section fields the run applies: the trainer's (not ``weight_dir``, which the engines read too),
-and where its rollout client goes."""
+where its rollout client goes, and how its pushes load weights (``direct`` needs the engines'
+extension, which the rollout manager loads at start; engines without it are refused and get
+vLLM's loader)."""
 CONFINED_PATHS = ("output_dir", "trainer.checkpoint_dir")
 
 
