@@ -53,9 +53,6 @@ TRAIN_VARIANTS_06B = [
     f"budget16k {_PACKED} max_tokens_per_gpu=16384",
     f"budget32k {_PACKED} max_tokens_per_gpu=32768",
     f"budget16k_fused {_PACKED} max_tokens_per_gpu=16384 trainer.fused_adam=true",
-    f"budget16k_bf16grad {_PACKED} max_tokens_per_gpu=16384 trainer.grad_reduce_in_fp32=false",
-    f"budget16k_flex {_PACKED} max_tokens_per_gpu=16384 trainer.packed_attention=flex",
-    f"budget16k_clogp {_PACKED} max_tokens_per_gpu=16384 trainer.compile_logprobs=true",
     f"budget16k_clayers {_PACKED} max_tokens_per_gpu=16384 trainer.compile_layers=true",
 ]
 """Bench variants of the step (bench/train_step.py ``--variant``): one change each from budget16k."""
@@ -64,8 +61,6 @@ TRAIN_VARIANTS_4B = [
     f"budget16k {_PACKED} max_tokens_per_gpu=16384",
     f"budget16k_fused_bf16grad {_PACKED} max_tokens_per_gpu=16384 trainer.fused_adam=true"
     " trainer.grad_reduce_in_fp32=false",
-    f"budget16k_recompute {_PACKED} max_tokens_per_gpu=16384 trainer.recompute_activations=true",
-    f"budget16k_clogp {_PACKED} max_tokens_per_gpu=16384 trainer.compile_logprobs=true",
     f"budget16k_clayers {_PACKED} max_tokens_per_gpu=16384 trainer.compile_layers=true",
 ]
 TRAIN_VARIANTS_CPU = [
