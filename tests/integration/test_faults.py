@@ -35,11 +35,10 @@ from vime import procs
 from vime.launch.orphans import descendants
 from vime.queue import group_name, stream_key
 
-pytestmark = pytest.mark.slow
-
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STARTUP_S = 280
 RUN_S = 420
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(STARTUP_S + RUN_S)]  # the first test starts the stack
 NUM_ROLLOUT = 6
 FAULT_AT = 1
 """The first rollout a fault may land in (after the first push: the engines hold weight version >= 2);
