@@ -90,12 +90,14 @@ async def _poll(
 
 
 def resume_hint(plan: StackPlan, command: str | None) -> str | None:
-    """The line that says how to continue the run, or why it cannot be continued."""
+    """The line that says how to continue the run, or why it cannot be (nothing when no run began)."""
     checkpoint = newest_checkpoint(Path(plan.cfg.trainer.checkpoint_dir) / plan.run_id)
     if checkpoint is None:
+        if not (plan.run_dir / "events.jsonl").exists():
+            return None
         return (
             f"run {plan.run_id} left no checkpoint to resume from (checkpoints come every "
-            "save_interval rollouts, at the end and on a stop)"
+            "save_interval rollouts, at the end, on a stop and after a fault between two steps)"
         )
     if command is None:
         return None
