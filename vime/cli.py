@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -89,13 +90,39 @@ def up(
 
 @app.command()
 def train(
-    config: ConfigOpt = None, set_: SetOpt = None, verbose: VerboseOpt = False, insecure: InsecureOpt = False
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    verbose: VerboseOpt = False,
+    insecure: InsecureOpt = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN_ID",
+            help="Continue run RUN_ID after its newest checkpoint, in its run directory (same config "
+            "and --set as the first time; a run that stops unfinished prints this command).",
+        ),
+    ] = None,
 ) -> None:
     """Start the stack, run GRPO to num_rollout with live progress, print a summary, stop the stack."""
     from vime.launch.stack import plan_stack
     from vime.launch.train import run_train
 
-    raise typer.Exit(run_train(plan_stack(_launch_config(config, set_, insecure)), out, verbose=verbose))
+    sets = [s for s in set_ or [] if not s.replace("-", "_").startswith("run_id=")]
+    cfg = _launch_config(config, [*sets, f"run_id={resume}"] if resume else set_, insecure)
+    if resume and not (Path(cfg.output_dir) / resume).is_dir():
+        err.print(f"[red]--resume {escape(resume)}: no run directory {Path(cfg.output_dir) / resume}[/red]")
+        raise typer.Exit(2)
+    plan = plan_stack(cfg)
+    again = [
+        "vime",
+        "train",
+        *(["-c", str(config)] if config else []),
+        *(a for s in sets for a in ("--set", s)),
+    ]
+    again += [*(["--insecure"] if insecure else []), "--resume", plan.run_id]
+    code = run_train(plan, out, verbose=verbose, resume=resume is not None, resume_command=shlex.join(again))
+    raise typer.Exit(code)
 
 
 @app.command()

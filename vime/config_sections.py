@@ -70,6 +70,13 @@ class RewardConfig(Section):
     """Processes in the reward service's verification pool."""
     worker_memory_mb: int | None = Field(4096, ge=256)
     """Address-space limit of each pool worker (a crafted answer gets MemoryError, not the OOM killer); None = no limit."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """How long the rollout manager waits for the reward service to answer one scoring call (it may
+    be stopped, overloaded or restarting: a refused connection is tried again within the same
+    time) before the rollout fails."""
+    stall_warning_s: float = Field(10.0, gt=0)
+    """A scoring call unanswered this long is logged as a warning naming the stall, again each
+    time as long again, and once more when the answer comes."""
     remote_url: str | None = None
     """URL of another reward server, for rm_type=remote."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Self, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, WatchError
 
 from vime.batch import RankBatch, RolloutBatch, decode_rank_batch, encode_rank_batch
@@ -44,19 +47,39 @@ def group_name(dp_rank: int) -> str:
     return f"rank{dp_rank}"
 
 
+PUBLISH_ATTEMPTS = 5
+"""Tries of a publish whose WATCH was broken without the batch being published (a lost connection)."""
+
+
 class BatchTransportError(RuntimeError):
     """A stream entry cannot be served to this rank (blob missing, rank outside the batch's DP size)."""
 
 
+RECONNECT_BACKOFF_S = (0.1, 2.0)
+"""Backoff of a command sent again on a new connection: from 0.1 s doubling to 2 s, with jitter."""
+RECONNECT_RETRIES = 20
+"""Times a command is sent again after a lost connection (about 35 s of backoff): Redis killed
+and restarted by the launcher (its data kept in the append-only file) is back within that."""
+
+
+def reconnecting() -> Retry:
+    """The one reconnect policy of every Redis client of vime (rollout manager, trainer ranks)."""
+    base, cap = RECONNECT_BACKOFF_S
+    backoff = ExponentialWithJitterBackoff(base=base, cap=cap)
+    # A lost connection only: a command that timed out on a live connection is not sent again.
+    return Retry(backoff, RECONNECT_RETRIES, supported_errors=(RedisConnectionError,))
+
+
 def connect(redis_url: str, *, blocking: bool = False) -> aioredis.Redis:
-    """A binary-safe client; ``blocking`` ones have no socket timeout (redis-py 8 defaults to 5 s,
-    which would cut every XREADGROUP BLOCK longer than that)."""
+    """A binary-safe client that reconnects (`reconnecting`); ``blocking`` ones have no socket
+    timeout (redis-py 8 defaults to 5 s, which would cut every XREADGROUP BLOCK longer than that)."""
     return aioredis.Redis.from_url(
         redis_url,
         decode_responses=False,
         socket_connect_timeout=5,
         socket_timeout=None if blocking else 30,
         health_check_interval=30,
+        retry=reconnecting(),
     )
 
 
@@ -107,20 +130,27 @@ class BatchPublisher:
             "created": created,
         }
         duplicate = PublishResult(batch.batch_id, False, None, 0)
-        try:
-            async with self._r.pipeline(transaction=True) as pipe:
-                await pipe.watch(guard)
-                if await pipe.exists(guard):
+        for _ in range(PUBLISH_ATTEMPTS):
+            try:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    await pipe.watch(guard)
+                    if await pipe.exists(guard):
+                        return duplicate
+                    pipe.multi()
+                    for rank, blob in enumerate(blobs):
+                        pipe.set(prefix + str(rank), blob)
+                    pipe.set(guard, created)
+                    pipe.xadd(stream_key(self.run_id), entry)  # type: ignore[arg-type]
+                    replies = await pipe.execute()
+            except WatchError:
+                # The guard was set between WATCH and EXEC (another publisher, or this EXEC whose
+                # reply was lost with the connection), or the connection broke while watching:
+                # the guard says which.
+                if await self._r.exists(guard):
                     return duplicate
-                pipe.multi()
-                for rank, blob in enumerate(blobs):
-                    pipe.set(prefix + str(rank), blob)
-                pipe.set(guard, created)
-                pipe.xadd(stream_key(self.run_id), entry)  # type: ignore[arg-type]
-                replies = await pipe.execute()
-        except WatchError:  # another publisher set the guard between WATCH and EXEC
-            return duplicate
-        return PublishResult(batch.batch_id, True, _text(replies[-1]), size)
+                continue
+            return PublishResult(batch.batch_id, True, _text(replies[-1]), size)
+        raise BatchTransportError(f"batch {batch.batch_id}: not published after {PUBLISH_ATTEMPTS} attempts")
 
     async def pending_count(self) -> int:
         """Batches published but not yet acked by the slowest rank (for backpressure)."""

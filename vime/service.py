@@ -227,8 +227,22 @@ def _add_service_routes(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+GRACEFUL_SHUTDOWN_S = 5
+"""After SIGTERM, requests still in flight get this long before the service shuts down (cancelling
+them; a waiting ``POST /v1/weights/push`` would otherwise hold a trainer's stop for as long as it
+waits), so a service answers SIGTERM within seconds."""
+
+
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
     """Run an app with uvicorn (uvloop + httptools when installed)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=75)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )

@@ -5,8 +5,8 @@ What must hold: `up` starts everything and `status` sees it healthy; with no tok
 generates one (printed once, kept 0600 in the run directory) and nothing answers without it;
 `rollout` returns the
 rollout's samples and publishes nothing a later run could train on; Ctrl-C stops every process the stack started (engines, vllm-router and Ray
-workers are grandchildren) and frees every port; a child that dies takes the stack down with a
-non-zero exit and the child's log tail; a busy port is refused before anything starts; `train`
+workers are grandchildren) and frees every port; a child that dies and is not restarted (the
+rollout manager) takes the stack down with a non-zero exit and the child's log tail; a busy port is refused before anything starts; `train`
 runs to the end and leaves metrics.jsonl and report.png.
 """
 
@@ -222,14 +222,14 @@ def test_a_dying_child_takes_the_stack_down_with_its_log_tail(tmp_path: Path, mo
     try:
         wait_for_output(up.child, "is up", STARTUP_S)
         tree = descendants(up.child.pid)
-        reward = [
-            pid for pid, cmd in tree.items() if "vime_reward" in cmd and parent_pid(pid) == up.child.pid
+        rollout = [
+            pid for pid, cmd in tree.items() if "vime_rollout" in cmd and parent_pid(pid) == up.child.pid
         ]
-        assert len(reward) == 1
-        os.kill(reward[0], signal.SIGKILL)
+        assert len(rollout) == 1
+        os.kill(rollout[0], signal.SIGKILL)  # its engines are orphaned: the launcher sweeps them
         assert wait_exit(up.child, 150) == 1
         log = up.child.log_path.read_text()  # type: ignore[union-attr]
-        assert "reward exited with code -9" in log and "last lines of its log" in log
+        assert "rollout exited with code -9 (SIGKILL)" in log and "last lines of its log" in log
         assert survivors(tree) == {} and leftovers(up.mark) == {}
         assert [p for p in stack_ports(up.cfg) if procs.port_open("127.0.0.1", p)] == []
     finally:

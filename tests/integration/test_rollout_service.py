@@ -75,7 +75,10 @@ class Stack:
     def router_urls(self) -> set[str]:
         """The engine URLs the router holds now."""
         port = self.cfg["services"]["router_control_port"]
-        return {e["url"] for e in httpx.get(f"http://127.0.0.1:{port}/v1/engines").json()["engines"]}
+        listing = httpx.get(
+            f"http://127.0.0.1:{port}/v1/engines", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        return {e["url"] for e in listing.json()["engines"]}
 
     def config(self) -> Any:
         return load_config(self.cfg_path)

@@ -147,8 +147,11 @@ def test_state_changing_routes_need_the_token(router: RouterProcess, logs: Path)
     wrong = {"Authorization": "Bearer wrong"}
     assert httpx.post(f"{router.control_url}/v1/engines/e0/drain", headers=wrong).status_code == 401
     assert httpx.delete(f"{router.control_url}/v1/engines/e0").status_code == 401
-    assert httpx.get(f"{router.control_url}/v1/engines").status_code == 200
-    # The data plane's status names vllm-router's private port (issue 17): behind the token too.
+    # The data plane's status names vllm-router's private port (issue 17): behind the token, in the
+    # listing of engines too, and left out of /health.
+    assert httpx.get(f"{router.control_url}/v1/engines").status_code == 401
+    assert httpx.get(f"{router.control_url}/v1/engines", headers=router.headers()).status_code == 200
+    assert "router_url" not in httpx.get(f"{router.control_url}/health").json()["data_plane"]
     assert httpx.get(f"{router.control_url}/v1/data-plane").status_code == 401
     assert httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).status_code == 200
     assert (
@@ -321,3 +324,13 @@ def test_an_engine_that_does_not_answer_is_refused_naming_the_url(router: Router
         f"http://127.0.0.1:{ghost}"
         not in httpx.get(f"{router.control_url}/v1/data-plane", headers=router.headers()).json()["workers"]
     )
+
+
+def test_a_service_that_is_not_an_engine_is_refused(router: RouterProcess) -> None:
+    """Any vime service answers /health (this router's control plane does): registering one would
+    route generate traffic to it. An engine must also answer /version or /server_info as vLLM does."""
+    body = {"url": router.control_url, "id": "not-an-engine"}
+    r = httpx.post(f"{router.control_url}/v1/engines", json=body, headers=router.headers(), timeout=30)
+    assert r.status_code == 422, r.text
+    assert "is not an inference engine" in r.json()["error"]["message"] and "/version" in r.text
+    assert "not-an-engine" not in router.engines()

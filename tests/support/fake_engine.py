@@ -3,7 +3,8 @@
 For router tests and benchmarks, where the engine's answer does not matter but its timing and
 identity do: ``python tests/support/fake_engine.py --port P --engine-id e0 --delay-s 1.5``.
 
-- ``GET /health`` (200, or 503 after ``POST /fake/config {"healthy": false}``)
+- ``GET /health`` (200, or 503 after ``POST /fake/config {"healthy": false}``); ``GET /version``
+  like vLLM's (the router registers only what answers it)
 - ``POST /inference/v1/generate``: vLLM 0.26's response shape (notes/vllm_device.md §4) after
   ``delay_s``, plus ``engine_id`` so a test sees who answered; vLLM's 400 error shape on bad bodies
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: small OpenAI shapes, also with ``engine_id``
@@ -214,6 +215,7 @@ def build_app(engine: FakeEngine) -> web.Application:
     for path in CONTROL_ROUTES:
         app.router.add_post(path, h.control)
     app.router.add_get("/health", h.health)
+    app.router.add_get("/version", lambda _: web.json_response({"version": "0.26.0"}))
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/fake/stats", h.stats)
     app.router.add_post("/fake/config", h.configure)

@@ -95,7 +95,7 @@ class RouterProcess:
 
     def engines(self) -> dict[str, dict[str, Any]]:
         """GET /v1/engines, by engine id."""
-        r = httpx.get(f"{self.control_url}/v1/engines", timeout=10)
+        r = httpx.get(f"{self.control_url}/v1/engines", headers=self.headers(), timeout=10)
         r.raise_for_status()
         return {e["id"]: e for e in r.json()["engines"]}
 

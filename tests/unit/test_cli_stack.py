@@ -202,3 +202,20 @@ def test_cpu_default_needs_no_gpu_and_learns_the_synthetic_task() -> None:
     assert cfg.trainer.sft_warmup_steps > 0
     # No fixed run id: every `vime train` gets its own run directory.
     assert cfg.run_id is None and cfg.services.redis_url is None
+
+
+def test_the_resume_hint_names_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    from vime.launch.train import resume_hint
+
+    plan = plan_stack(_cfg(tmp_path, "run_id=r1", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}"))
+    assert resume_hint(plan, "vime train --resume r1") is None  # no run began: nothing to say
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "events.jsonl").write_text("")
+    assert "left no checkpoint to resume from" in (resume_hint(plan, "vime train --resume r1") or "")
+    for k, complete in ((4, True), (9, True), (14, False)):  # rollout 14's save was cut short
+        d = tmp_path / "ckpt" / "r1" / f"rollout_{k:07d}"
+        d.mkdir(parents=True)
+        if complete:
+            (d / "vime_state.json").write_text("{}")
+    hint = resume_hint(plan, "vime train --resume r1")
+    assert hint == "resume from the checkpoint of rollout 9:  vime train --resume r1"

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vime.clients.base import ServiceClient
+from vime.retry import RetryPolicy
 from vime.types import Sample
 from vime.wire.reward import (
     RewardBatchRequest,
@@ -54,8 +55,19 @@ def to_request(
 class RewardClient(ServiceClient):
     """``await client.score(sample)`` → `RewardResult`; ``score_batch`` for many samples or a group."""
 
-    def __init__(self, base_url: str, *, timeout: float | None = 300.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float | None = 300.0,
+        retry_budget_s: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``retry_budget_s``: retry a call that found no service (restarting) for this long
+        instead of the base client's few attempts."""
         super().__init__(base_url, timeout=timeout, **kwargs)
+        if retry_budget_s is not None:
+            self.retry = RetryPolicy(attempts=None, budget_s=retry_budget_s, backoff_s=0.2, max_backoff_s=2.0)
 
     async def score(
         self, item: SampleLike, *, fn: str | None = None, options: Mapping[str, Any] | None = None

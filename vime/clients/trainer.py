@@ -25,12 +25,15 @@ class TrainerClient(ServiceClient):
     """``await client.start_run({"num_rollout": 3})`` → the new run's `RunStatus`."""
 
     async def start_run(
-        self, config: dict[str, Any] | None = None, *, run_id: str | None = None
+        self, config: dict[str, Any] | None = None, *, run_id: str | None = None, resume: bool = False
     ) -> RunStatus:
-        """Start a run (409 while another one is active); ``config`` overrides the service's config."""
+        """Start a run (409 while another one is active); ``config`` overrides the service's config;
+        ``resume``: continue ``run_id`` after its newest checkpoint (409 when it has none)."""
         body: dict[str, Any] = {"config": config or {}}
         if run_id is not None:
             body["run_id"] = run_id
+        if resume:
+            body["resume"] = True
         out = await self.request("POST", "/v1/runs", json=body, expect=(201,))
         return RunStatus.model_validate(out)
 

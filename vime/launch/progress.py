@@ -170,9 +170,10 @@ class TrainProgress:
         reward = metric(step.metrics, REWARD_KEYS) if step else None
         trend = f" · reward {reward:.3f}" if reward is not None else ""
         at = f"rollout {status.rollout_id}" if status.rollout_id is not None else "run"
+        done = status.next_rollout_id if status.next_rollout_id is not None else status.steps_done
         self.progress.update(
             self.task,
-            completed=status.steps_done,
+            completed=done,  # a resumed run's bar starts at its checkpoint
             total=status.num_rollout,
             description=f"{at} · {status.phase.value}{trend}",
         )

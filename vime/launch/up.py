@@ -35,9 +35,10 @@ def print_banner(plan: StackPlan, console: Console) -> None:
 
 
 def watch(sup: Supervisor, latch: SignalLatch) -> int:
-    """Block until a signal (128 + signum) or a child's death (1, with its log tail printed)."""
+    """Block until a signal (128 + signum) or the death of a child that is not restarted (1, with
+    its log tail printed)."""
     while not latch.wait(0.5):
-        dead = sup.dead_child()
+        dead = sup.check()
         if dead is not None:
             sup.console.print(f"[red]✗ {sup.death_message(dead)}[/]", highlight=False)
             return EXIT_FAILED

@@ -96,6 +96,9 @@ class RunRequest(_Request):
     (`RunConfig.effective_run_id`), else a timestamp."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Run config fields on top of the service's config, e.g. ``{"num_rollout": 3, "trainer": {"lr": 1e-4}}``."""
+    resume: bool = False
+    """Continue run ``run_id`` after its newest checkpoint (409 when it has none; ``start_rollout_id``
+    may not be given). Without it a run id that has checkpoints also continues after the newest."""
 
 
 class RunStatus(BaseModel):

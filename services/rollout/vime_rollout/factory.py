@@ -110,7 +110,10 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         await group.offload(OFFLOAD_LEVEL)
     monitor.start()
     services = cfg.services
-    reward = RewardClient(services.url("reward"), token=services.token())
+    waited = cfg.reward.request_timeout_s
+    reward = RewardClient(
+        services.url("reward"), token=services.token(), timeout=waited, retry_budget_s=waited
+    )
     redis_url = services.redis_url
     return RolloutManager(
         cfg,
@@ -124,7 +127,13 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
             timeout_s=cfg.router.request_timeout_s,
             retry_window_s=cfg.router.retry_window_s,
         ),
-        scorer=RewardScorer(reward, fn=cfg.reward.custom_rm_path, group_rm=cfg.reward.group_rm),
+        scorer=RewardScorer(
+            reward,
+            fn=cfg.reward.custom_rm_path,
+            group_rm=cfg.reward.group_rm,
+            stall_warning_s=cfg.reward.stall_warning_s,
+            timeout_s=waited,
+        ),
         train_data=DataSource(
             train, cfg.n_samples_per_prompt, shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed
         ),

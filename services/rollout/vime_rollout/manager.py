@@ -112,7 +112,10 @@ class RolloutManager:
             raise ServiceError(
                 409, f"engines are offloaded ({', '.join(asleep)} asleep): POST /v1/engines/onload first"
             )
-        if not self.engines.serving():
+        if not self.engines.serving() and not (publish and self.engines.coming_back()):
+            # A run's rollout waits for an engine coming back (its requests are retried for
+            # router.retry_window_s; the trainer pushes weights to it meanwhile); a preview, which
+            # no trainer pushes weights for, is refused.
             raise ServiceError(503, "no engine is serving (all dead, restarting or waiting for weights)")
 
     def state(self, evaluation: bool) -> GenerateState:

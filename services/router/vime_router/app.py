@@ -3,9 +3,11 @@
 Routes (state-changing ones need the services' bearer token):
 
 - ``POST /v1/engines`` {url, id?, gpu_ids?} → 201 (200 when already registered; 422 when it does not
-  answer ``/health``): serving at once, until it is removed or drained. The router judges no
-  engine's health; the registrant takes out the engines that stop serving.
-- ``GET /v1/engines`` → every engine (draining, routable) + the data plane
+  answer ``/health``, or neither ``/version`` nor ``/server_info`` as a vLLM engine does): serving
+  at once, until it is removed or drained. The router judges no engine's health; the registrant
+  takes out the engines that stop serving.
+- ``GET /v1/engines`` (token: the data plane in it names vllm-router's private port) → every engine
+  (draining, routable) + the data plane
 - ``GET /v1/engines/{id}`` → one engine, its in-flight count read now
 - ``DELETE /v1/engines/{id}`` → out of the data plane at once; in-flight requests finish
 - ``POST /v1/engines/{id}/drain`` / ``/undrain`` → no new requests / serving again
@@ -88,7 +90,7 @@ def build_app(service: RouterService, token: str | None) -> FastAPI:
             response.status_code = 200
         return status
 
-    @app.get("/v1/engines", response_model=EngineList)
+    @app.get("/v1/engines", response_model=EngineList, dependencies=auth)
     async def list_engines() -> Any:
         return service.listing()
 

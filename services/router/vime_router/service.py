@@ -27,6 +27,8 @@ from vime_router.workers import RouterWorkers, WorkerSyncError
 log = logging.getLogger("vime.router")
 
 SYNC_INTERVAL_S = 2.0
+ENGINE_ID_PATHS = ("/version", "/server_info")
+"""vLLM answers ``/version`` always and ``/server_info`` in dev mode (the reference engine both)."""
 ENGINE_CALL_TIMEOUT_S = 5.0
 """The one ``/health`` check at registration, and each ``/metrics`` read for an in-flight count."""
 
@@ -93,23 +95,45 @@ class RouterService:
         return engine.status(in_data_plane=engine.url in self.workers.last_seen, in_flight=in_flight)
 
     async def register(self, reg: EngineRegistration) -> tuple[RegisteredEngine, bool]:
-        """Add an engine (it must answer ``/health`` now, 422 otherwise) and put it in the data plane."""
+        """Add an engine (it must answer ``/health`` and, as a vLLM engine does, ``/version`` or
+        ``/server_info`` now: 422 otherwise) and put it in the data plane."""
         if reg.engine_id() not in self.registry.engines:
-            await self._check_answers(reg.url)
+            await self._check_engine(reg.url)
         engine, created = self.registry.register(reg)
         await self.sync()
         return self.status(engine), created
 
-    async def _check_answers(self, url: str) -> None:
-        try:
-            r = await self._http.get(f"{url}/health")
-            error = None if r.status_code == 200 else f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"[:200]
+    async def _check_engine(self, url: str) -> None:
+        """422 unless ``url`` is a serving engine: any server answering ``/health`` (another vime
+        service) would otherwise get generate traffic routed to it."""
+        error = await self._answers(url, "/health")
         if error is not None:
             raise ServiceError(
                 422, f"url: {url} does not answer GET /health ({error}); register it once it does"
             )
+        errors = [await self._answers(url, path, json=True) for path in ENGINE_ID_PATHS]
+        if all(errors):
+            raise ServiceError(
+                422,
+                f"url: {url} is not an inference engine: GET {' and '.join(ENGINE_ID_PATHS)} do not "
+                f"answer as vLLM's do ({'; '.join(e or '' for e in errors)})",
+            )
+
+    async def _answers(self, url: str, path: str, json: bool = False) -> str | None:
+        """None when ``GET url+path`` answers 200 (with a JSON object if ``json``), else why not."""
+        try:
+            r = await self._http.get(f"{url}{path}")
+        except httpx.HTTPError as exc:
+            return f"{path}: {type(exc).__name__}: {exc}"[:200]
+        if r.status_code != 200:
+            return f"{path}: HTTP {r.status_code}"
+        if json:
+            try:
+                if not isinstance(r.json(), dict):
+                    return f"{path}: not a JSON object"
+            except ValueError:
+                return f"{path}: not JSON"
+        return None
 
     async def deregister(self, engine_id: str) -> RegisteredEngine:
         engine = self.registry.remove(engine_id)
@@ -160,11 +184,13 @@ class RouterService:
         dp = self.data_plane_status()
         if not dp.ready:
             raise ServiceError(
-                503, "the data plane (vllm-router + route filter) is not running", data_plane=dp.model_dump()
+                503,
+                "the data plane (vllm-router + route filter) is not running",
+                data_plane=dp.model_dump(exclude={"router_url"}),
             )
         routable = sum(1 for e in self.registry.engines.values() if self.status(e).routable)
         return {
-            "data_plane": dp.model_dump(),
+            "data_plane": dp.model_dump(exclude={"router_url"}),  # a private port: behind the token
             "engines": len(self.registry.engines),
             "routable_engines": routable,
         }

@@ -198,13 +198,32 @@ class Controller:
 
     async def finish(self) -> RunState:
         """A stop that came after the step's save point still leaves a checkpoint of that step."""
-        if self.last_done is not None and self.saved_rollout != self.last_done:
-            await self.ops.trainer_wake_up()
-            await self.save(self.last_done, self.ops.version)
-            await self.ops.trainer_sleep()
-            log.info("run %s: checkpoint after rollout %d", self.ctx.run_id, self.last_done)
+        await self.save_last_step()
         self.ctx.set_phase(RunPhase.DONE)
         next_id = self.ctx.status.next_rollout_id
         return (
             RunState.FINISHED if next_id is not None and next_id >= self.cfg.num_rollout else RunState.STOPPED
         )
+
+    async def save_last_step(self) -> None:
+        """Checkpoint the last finished step unless that is done (its weights are pushed: they
+        keep their version)."""
+        if self.last_done is not None and self.saved_rollout != self.last_done:
+            await self.ops.trainer_wake_up()
+            await self.save(self.last_done, self.ops.version)
+            await self.ops.trainer_sleep()
+            log.info("run %s: checkpoint after rollout %d", self.ctx.run_id, self.last_done)
+
+    async def save_after_fault(self) -> None:
+        """A run that failed or was cancelled between two steps — in a rollout or the offload after
+        it, where the trainer's weights are still those of the last finished step — checkpoints
+        that step, so a resume loses nothing it trained. Anywhere else (training, a save, a push)
+        the weights may be half-way between two steps, and the last checkpoint stays the newest."""
+        if self.ctx.status.phase not in (RunPhase.ROLLOUT, RunPhase.OFFLOAD):
+            return
+        try:
+            await self.save_last_step()
+        except Exception as exc:  # the fault may have taken what a save needs (the rollout manager)
+            log.warning(
+                "run %s: no checkpoint after the fault: %s: %s", self.ctx.run_id, type(exc).__name__, exc
+            )

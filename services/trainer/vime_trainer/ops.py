@@ -12,7 +12,7 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from vime.clients.base import ServiceCallError
@@ -163,9 +163,11 @@ class RunOps:
 
     # --- rollout and training (seed steps 14–32, 37–42) ----------------------------------------
     async def generate(self, rollout_id: int) -> RolloutJob:
-        """Steps 14–32: one rollout, published to Redis split per DP rank."""
+        """Steps 14–32: one rollout, published to Redis split per DP rank. An engine restarted
+        meanwhile gets the current weights while the rollout waits for it (`catching_up`)."""
         self.events.record("rollout.start")
-        job = await self.rollout.rollout(rollout_id, dp_size=self.backend.dp_size)
+        async with self.catching_up():
+            job = await self.rollout.rollout(rollout_id, dp_size=self.backend.dp_size)
         if not job.batch_id or not job.run_id:
             raise RunError(f"rollout {rollout_id} returned no batch: {job.error or 'unknown reason'}")
         self.events.record("rollout.done", batch_id=job.batch_id, samples=job.num_samples)
@@ -271,6 +273,41 @@ class RunOps:
         if not any(e.status in LIVE and self._stale(e) for e in status.engines):
             return None
         return await self.update_weights(self.version, True, stale_only=True)
+
+    @contextlib.asynccontextmanager
+    async def catching_up(self) -> AsyncIterator[None]:
+        """`push_catch_up` every ``engine.health_check_interval_s`` (the monitor's pace) while the
+        block runs: an engine that died inside a rollout comes back needing weights, out of the
+        router, and the rollout's generates wait for it (``router.retry_window_s``); with one
+        engine nothing else would ever serve them. The push reads the trainer's CPU copy of its
+        weights, so it needs the trainer neither awake nor idle. A failed round is logged and
+        tried again; a push under way when the block ends is finished, not cut."""
+        done = asyncio.Event()
+
+        async def pusher() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), self.cfg.engine.health_check_interval_s)
+                    return
+                try:
+                    pushed = await self.push_catch_up()
+                except Exception as exc:
+                    log.warning("catching up a restarted engine: %s: %s", type(exc).__name__, exc)
+                else:
+                    if pushed is not None:
+                        log.info(
+                            "engine(s) %s caught up to v%d during the rollout", pushed.engines, pushed.version
+                        )
+
+        task = asyncio.create_task(pusher(), name="catch-up")
+        try:
+            yield
+        except BaseException:
+            task.cancel()  # the run fails or is cancelled: no push to wait for
+            raise
+        finally:
+            done.set()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _weights_awake(self, targets: list[EngineInfo]) -> list[EngineInfo]:
         """Never push into sleeping weights (vLLM has no guard): wake them, or refuse."""

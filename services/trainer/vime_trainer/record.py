@@ -3,7 +3,10 @@
 ``runs/<run_id>/metrics.jsonl`` gets one flat JSON object per step: the rollout id, the weight
 version pushed at its end, ``perf/T_<phase>`` seconds for each part of T_step and ``perf/T_step``
 itself, then the rollout manager's and the trainer's metrics. A resumed run appends to the same
-file. The supervised warm-up's steps go to ``runs/<run_id>/warmup.jsonl`` (``sft_step``,
+file, after moving the lines of the rollouts it runs again (those after its checkpoint, trained by
+the leg that died, whose weights were lost with it) from metrics.jsonl and events.jsonl to
+metrics.superseded.jsonl and events.superseded.jsonl (`RunRecord.supersede`): each rollout keeps
+one line, the one whose weights the run went on from. The supervised warm-up's steps go to ``runs/<run_id>/warmup.jsonl`` (``sft_step``,
 ``sft/loss``, ...), apart, so metrics.jsonl stays one line per RL step. TensorBoard gets both
 (warm-up under ``sft/`` tags on their own step axis); wandb only the RL steps (its one step axis
 is the rollout id). Both are optional: asked for but not installed is a warning, not a failure.
@@ -94,6 +97,24 @@ class RunRecord:
                 self._tb.add_scalar(key, value, step)
         return row
 
+    def supersede(self, first: int) -> int:
+        """Move the lines of rollout ``first`` and later from metrics.jsonl and events.jsonl to their
+        ``*.superseded.jsonl`` files (a run that starts at ``first`` makes them again); returns the
+        metrics lines moved."""
+        moved = 0
+        for path in (self.metrics_path, self.events_path):
+            kept, gone = _split_from(path, first)
+            if gone:
+                with path.with_suffix(".superseded.jsonl").open("a") as f:
+                    f.writelines(gone)
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text("".join(kept))
+                tmp.replace(path)
+                log.info("%s: %d line(s) of rollouts >= %d superseded", path.name, len(gone), first)
+            if path == self.metrics_path:
+                moved = len(gone)
+        return moved
+
     def rows(self) -> list[dict[str, Any]]:
         """Every step of this run id, the newest line winning for a rollout id seen twice."""
         return _newest_by(self.metrics_path, "rollout_id")
@@ -107,6 +128,23 @@ class RunRecord:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _split_from(path: Path, first: int) -> tuple[list[str], list[str]]:
+    """The lines of a JSONL record kept and those of rollout ``first`` or later (``rollout_id``),
+    with any line torn by the crash; lines with no rollout id (a run's start-up events) are kept."""
+    if not path.exists():
+        return [], []
+    kept, gone = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            gone.append(line if line.endswith("\n") else line + "\n")
+            continue
+        rollout_id = row.get("rollout_id") if isinstance(row, dict) else None
+        (gone if isinstance(rollout_id, int) and rollout_id >= first else kept).append(line)
+    return kept, gone
 
 
 def _newest_by(path: Path, key: str) -> list[dict[str, Any]]:

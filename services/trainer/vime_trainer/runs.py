@@ -23,6 +23,7 @@ from vime.service import ServiceError
 from vime.wire.trainer import ACTIVE_STATES, RunRequest, RunState, StepRecord
 from vime_trainer.controller import Controller
 from vime_trainer.events import EventLog
+from vime_trainer.megatron.checkpoint import latest_checkpoint
 from vime_trainer.ops import Backend, RunOps
 from vime_trainer.record import RunRecord
 from vime_trainer.report import draw_report, summarize, warmup_summary
@@ -55,6 +56,10 @@ def run_config(load: ConfigLoader, request: RunRequest) -> RunConfig:
     except ConfigError as exc:
         raise ServiceError(422, str(exc)) from None
     run_id = request.run_id or cfg.effective_run_id(default=time.strftime("run-%Y%m%d-%H%M%S"))
+    if request.resume and cfg.start_rollout_id is not None:
+        raise ServiceError(
+            422, "start_rollout_id: a resumed run continues after its newest checkpoint; leave it unset"
+        )
     if not cfg.services.redis_url:
         raise ServiceError(422, "services.redis_url is not set: the trainer reads rollout batches from Redis")
     trainer = cfg.trainer.model_copy(
@@ -63,12 +68,30 @@ def run_config(load: ConfigLoader, request: RunRequest) -> RunConfig:
     return cfg.model_copy(update={"run_id": run_id, "trainer": trainer})
 
 
+def first_rollout(cfg: RunConfig, resume: bool) -> int:
+    """The rollout a run starts at: ``start_rollout_id``, else the one after the newest checkpoint
+    of its run id (what the controller loads), else 0; a ``resume`` with no checkpoint is a 409."""
+    if cfg.start_rollout_id is not None:
+        return cfg.start_rollout_id
+    found = latest_checkpoint(cfg.trainer.checkpoint_dir)
+    if found is None and resume:
+        raise ServiceError(
+            409, f"run {cfg.run_id}: no checkpoint under {cfg.trainer.checkpoint_dir} to resume from"
+        )
+    return int(found[1]["next_rollout_id"]) if found else 0
+
+
 class RunHandle:
     """One run: its context, controller and task."""
 
-    def __init__(self, cfg: RunConfig, backend: Backend, on_step: Callable[[StepRecord], None]) -> None:
+    def __init__(
+        self, cfg: RunConfig, backend: Backend, on_step: Callable[[StepRecord], None], first: int = 0
+    ) -> None:
+        """``first``: the rollout it starts at; the records of earlier legs of this run id from
+        there on are superseded (`RunRecord.supersede`)."""
         run_id = cfg.run_id or "run"
         self.record = RunRecord(cfg, run_id)
+        self.record.supersede(first)
         self.ctx = RunContext(run_id, cfg, EventLog(self.record.events_path))
         services = cfg.services
         self.rollout = RolloutClient(services.url("rollout"), token=services.token())
@@ -104,6 +127,8 @@ class RunHandle:
             log.exception("run %s failed", self.ctx.run_id)
             error = f"{type(exc).__name__}: {exc}"
         finally:
+            if state is RunState.FAILED:
+                await self.controller.save_after_fault()
             await self._clean_up()
             self.ctx.status.summary = await asyncio.to_thread(self.summary, state, error)
             self.ctx.end(state, error)
@@ -155,13 +180,14 @@ class RunRegistry:
         self._starting = True
         try:
             cfg = run_config(self.load, request)
+            first = first_rollout(cfg, request.resume)
             try:
                 backend = await asyncio.to_thread(self.backend_factory, cfg)
             except (FileNotFoundError, ValueError) as exc:
                 raise ServiceError(422, f"cannot build the trainer for this config: {exc}") from None
         finally:
             self._starting = False
-        handle = RunHandle(cfg, backend, self.on_step)
+        handle = RunHandle(cfg, backend, self.on_step, first)
         handle.task = asyncio.create_task(handle.run(), name=f"run-{handle.ctx.run_id}")
         self.runs[handle.ctx.run_id] = self.active = handle
         return handle

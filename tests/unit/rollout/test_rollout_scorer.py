@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -115,3 +116,50 @@ def test_a_short_answer_fails_loudly() -> None:
     scorer = RewardScorer(client, fn=None, group_rm=True)
     with pytest.raises(RuntimeError, match="1 results for 2 samples"):
         asyncio.run(scorer.score([_sample("a"), _sample("b")]))
+
+
+def test_a_stalled_reward_service_is_named_in_warnings_and_waited_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call unanswered for stall_warning_s is a warning (again while it lasts), and so is its end."""
+    service = FakeRewardService()
+    handler = service.handler
+
+    async def stalled(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.35)
+        return await handler(request)
+
+    client = RewardClient("http://reward", transport=httpx.MockTransport(stalled), retries=0)
+    scorer = RewardScorer(client, fn=None, group_rm=False, stall_warning_s=0.1)
+
+    async def go() -> list[tuple[float, Any]]:
+        try:
+            return await scorer.score([_sample("abc")])
+        finally:
+            await scorer.aclose()
+
+    with caplog.at_level("WARNING", logger="vime.rollout.reward"):
+        assert asyncio.run(go())[0][0] == 3.0
+    stalls = [r.getMessage() for r in caplog.records if "reward service stalled" in r.getMessage()]
+    assert len(stalls) >= 2 and "http://reward" in stalls[0] and "reward.request_timeout_s" in stalls[0]
+    assert "answered again after a" in caplog.records[-1].getMessage()
+
+
+def test_the_wait_for_a_stalled_reward_service_is_bounded() -> None:
+    """A service that takes the connection and never answers (a stopped process): the client's
+    timeout (reward.request_timeout_s) ends the wait with an error, which fails the rollout."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()  # the kernel accepts; nobody ever reads or answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        client = RewardClient(url, timeout=0.3, retry_budget_s=0.3)
+        scorer = RewardScorer(client, fn=None, group_rm=True, stall_warning_s=0.1)
+
+        async def go() -> None:
+            try:
+                await scorer.score([_sample("abc")])
+            finally:
+                await scorer.aclose()
+
+        with pytest.raises(httpx.ReadTimeout):
+            asyncio.run(go())

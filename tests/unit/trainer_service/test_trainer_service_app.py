@@ -71,6 +71,16 @@ def test_runs_need_the_token_and_a_valid_config(app_client: Any) -> None:
     assert r.status_code == 422 and "confg" in r.json()["error"]["message"]
 
 
+def test_a_resume_needs_a_checkpoint_and_no_start_rollout_id(app_client: Any) -> None:
+    client, backends = app_client
+    r = client.post("/v1/runs", json={"run_id": "fresh", "resume": True}, headers=AUTH)
+    assert r.status_code == 409 and "no checkpoint" in r.json()["error"]["message"], r.text
+    body = {"run_id": "fresh", "resume": True, "config": {"start_rollout_id": 3}}
+    r = client.post("/v1/runs", json=body, headers=AUTH)
+    assert r.status_code == 422 and "start_rollout_id" in r.json()["error"]["message"]
+    assert backends == []  # refused before any trainer was built
+
+
 def test_one_active_run_its_status_events_and_stop(app_client: Any) -> None:
     client, _ = app_client
     r = client.post("/v1/runs", json={"run_id": "a", "config": {"num_rollout": 3}}, headers=AUTH)

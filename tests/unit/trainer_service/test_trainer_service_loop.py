@@ -4,6 +4,7 @@ engines, the push guard, eval, requests from the REST app, the flush interval.""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -315,3 +316,63 @@ async def test_a_stop_during_the_warm_up_ends_the_run_before_any_push() -> None:
     assert await run.go() is RunState.STOPPED
     assert [c for c in run.backend.calls if c.startswith("train_sft")] == ["train_sft 0", "train_sft 1"]
     assert "weights.push" not in run.actions() and not run.backend.checkpoints and not run.steps
+
+
+async def test_an_engine_restarted_inside_a_rollout_gets_the_weights_while_the_rollout_waits() -> None:
+    """With one engine, the rollout's generates wait for it; nothing else would push while they do."""
+    run = Run("rollout_num_gpus=0", "engine.health_check_interval_s=0.01")
+    run.rollout.engines_ = run.rollout.engines_[:1]
+    orig = run.rollout.rollout
+
+    async def rollout(rollout_id: int, **kw: Any) -> Any:
+        if rollout_id == 1:
+            e = run.rollout.engines_[0]  # died mid-rollout, restarted: checkpoint weights, out of the router
+            e.status, e.needs_weights, e.weight_version = "needs_weights", True, 0
+            for _ in range(500):  # the rollout's requests wait for the engine to serve again
+                if run.rollout.engines_[0].status == "ready":
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("no catch-up push while the rollout waited")
+        return await orig(rollout_id, **kw)
+
+    run.rollout.rollout = rollout  # type: ignore[method-assign]
+    assert await run.go() is RunState.FINISHED
+    loaded = [v for name, v in run.rollout.calls if name == "weights_loaded"]
+    assert loaded[2] == (2, ("http://e0",))  # pushed inside rollout 1: the current version, that engine
+    assert run.actions(1)[:3] == ["rollout.start", "weights.push", "weights.pause"]
+    assert [s.rollout_id for s in run.steps] == [0, 1]
+
+
+async def test_a_run_that_fails_inside_a_rollout_checkpoints_its_last_step() -> None:
+    run = Run("num_rollout=4")
+    orig = run.rollout.rollout
+
+    async def rollout(rollout_id: int, **kw: Any) -> Any:
+        if rollout_id == 2:
+            raise RuntimeError("the rollout manager is gone")
+        return await orig(rollout_id, **kw)
+
+    run.rollout.rollout = rollout  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="gone"):
+        await run.go()
+    await run.controller.save_after_fault()
+    saved = {k: c["run_state"]["weight_version"] for k, c in run.backend.checkpoints.items()}
+    assert saved == {1: 3}  # rollout 1's weights, published as v3
+    await run.controller.save_after_fault()
+    assert run.backend.calls.count("save 1") == 1
+
+
+async def test_a_run_that_fails_while_training_keeps_the_last_checkpoint() -> None:
+    backend = FakeBackend()
+
+    def die(rollout_id: int) -> None:
+        if rollout_id == 1:
+            raise RuntimeError("rank died")
+
+    backend.on_train = die
+    run = Run("num_rollout=3", backend=backend)
+    with pytest.raises(RuntimeError, match="rank died"):
+        await run.go()
+    await run.controller.save_after_fault()
+    assert run.backend.checkpoints == {}  # the weights may be half-way through rollout 1's step

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from vime_trainer.record import RunRecord, step_line
 from vime_trainer.report import draw_report, summarize, warmup_summary
-from vime_trainer.runs import override_pairs, run_config
+from vime_trainer.runs import first_rollout, override_pairs, run_config
 from vime_trainer.weight_sync import transport_name
 
 from vime.config import RunConfig, load_config
@@ -164,3 +164,42 @@ def test_tensorboard_asked_for_but_missing_is_a_warning_not_a_failure(
         record.step(_step(0, 2, 0.5, 1.0))
     assert "tensorboard is not installed" in caplog.text
     assert len(record.rows()) == 1
+
+
+def test_a_resumed_run_supersedes_the_lines_of_the_rollouts_it_runs_again(tmp_path: Path) -> None:
+    """Rollouts 0-4 were recorded, the checkpoint is of rollout 2: 3 and 4 are run again, so their
+    old metrics and events lines move aside, and a line torn by the crash goes with them."""
+    cfg = load_config(overrides=[*BASE, f"output_dir={tmp_path}"], environ={})
+    record = RunRecord(cfg, "r")
+    for k in range(5):
+        record.step(_step(k, k + 1, 0.1 * k, 1.0))
+    events = [{"seq": 0, "rollout_id": None, "action": "run.start"}]
+    events += [{"seq": k + 1, "rollout_id": k, "action": "step.done"} for k in range(5)]
+    record.events_path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"seq": 6, "rol')
+    assert record.supersede(3) == 2
+    assert [r["rollout_id"] for r in record.rows()] == [0, 1, 2]
+    kept = [json.loads(x) for x in record.events_path.read_text().splitlines()]
+    assert [e["rollout_id"] for e in kept] == [None, 0, 1, 2]  # start-up events stay
+    aside = (tmp_path / "r" / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(x)["rollout_id"] for x in aside] == [3, 4]
+    gone = (tmp_path / "r" / "events.superseded.jsonl").read_text().splitlines()
+    assert len(gone) == 3 and gone[-1] == '{"seq": 6, "rol'
+    record.step(_step(3, 4, 0.9, 1.0))  # the resumed leg's rollout 3
+    assert [(r["rollout_id"], r["rollout/reward_mean"]) for r in record.rows()][-1] == (3, 0.9)
+    assert len(record.metrics_path.read_text().splitlines()) == 4
+    assert RunRecord(cfg, "new").supersede(0) == 0  # a new run id: nothing to move
+
+
+def test_a_run_starts_after_the_newest_checkpoint_of_its_run_id(tmp_path: Path) -> None:
+    cfg = load_config(overrides=[*BASE, f"trainer.checkpoint_dir={tmp_path}"], environ={})
+    assert first_rollout(cfg, resume=False) == 0
+    with pytest.raises(ServiceError) as err:
+        first_rollout(cfg, resume=True)
+    assert err.value.status_code == 409
+    for k, complete in ((1, True), (3, True), (4, False)):  # rollout 4's save was cut short
+        d = tmp_path / f"rollout_{k:07d}"
+        d.mkdir()
+        if complete:
+            (d / "vime_state.json").write_text(json.dumps({"rollout_id": k, "next_rollout_id": k + 1}))
+    assert first_rollout(cfg, resume=True) == 4
+    assert first_rollout(cfg.model_copy(update={"start_rollout_id": 2}), resume=False) == 2

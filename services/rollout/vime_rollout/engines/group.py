@@ -191,6 +191,16 @@ class EngineGroup:
     def serving(self) -> list[EngineRecord]:
         return [r for r in self.records if r.status is EngineState.READY]
 
+    def coming_back(self) -> list[EngineRecord]:
+        """Engines that do not serve now but will: restarting (or dead, when the monitor restarts
+        them), or back and waiting for the trainer's weights."""
+        back = (EngineState.STARTING, EngineState.RESTARTING, EngineState.NEEDS_WEIGHTS)
+        return [
+            r
+            for r in self.records
+            if r.status in back or (r.status is EngineState.DEAD and self.launcher.can_restart)
+        ]
+
     async def _fan_out(
         self, records: list[EngineRecord], call: Callable[[EngineRecord], Any]
     ) -> dict[str, str]:

@@ -23,6 +23,8 @@ from vime.config import RunConfig
 from vime_trainer.batches import BatchRef, TrainResult
 from vime_trainer.megatron.rank import TrainRank
 
+SHUTDOWN_GRACE_S = 10.0
+
 
 class TrainerError(RuntimeError):
     """A training rank failed or the group is not in a state to do what was asked."""
@@ -183,10 +185,12 @@ class ActorGroup:
         return states[0]
 
     def shutdown(self) -> None:
-        """Stop the ranks and free the placement group (safe to call twice)."""
+        """Stop the ranks and free the placement group (safe to call twice). A rank still busy
+        (a step the run was cancelled in) gets `SHUTDOWN_GRACE_S` to finish before it is killed,
+        so a trainer told to stop stops within seconds."""
         if self.actors:
-            with contextlib.suppress(TrainerError):
-                self._get([a.shutdown.remote() for a in self.actors])
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=SHUTDOWN_GRACE_S)
             for a in self.actors:
                 ray.kill(a)
         self.actors, self.infos = [], []
