@@ -142,6 +142,31 @@ class RunConfig(Section):
     """Use the engine's log-probs as old log-probs instead of recomputing them."""
     get_mismatch_metrics: bool = False
     """Compute train/inference log-prob mismatch metrics (needs rollout log-probs)."""
+    use_tis: bool = False
+    """Truncated importance sampling: each token's policy-gradient loss is weighted by
+    min(exp(train_logprob − rollout_logprob), tis_clip), a constant of the loss, where
+    train_logprob is the trainer's log-prob before the update and rollout_logprob the engine's
+    (then requested for every sample). Corrects the train/inference mismatch and, in the async
+    mode, the staleness of a batch. Off by default, as in slime (--use-tis off, --tis-clip 2.0),
+    verl (algorithm.rollout_correction.rollout_is null, threshold 2.0) and AReaL
+    (use_decoupled_loss off)."""
+    tis_clip: float = Field(2.0, gt=0)
+    """The truncation of the TIS weight (slime's and verl's default, 2.0)."""
+    use_mis: bool = False
+    """Masked importance sampling: the policy-gradient loss of tokens (``mis_level: token``) or of
+    whole samples (``sample``) whose ratio exp(train_logprob − rollout_logprob) leaves
+    [mis_low, mis_high] is dropped (weight 0); with use_tis the others keep their TIS weight.
+    Off by default, as in slime (its MIS is an example, not a flag) and verl (rollout_rs null);
+    prime-rl masks by default, but by the probability difference and the advantage's sign, not
+    by a ratio band."""
+    mis_level: Literal["token", "sample"] = "token"
+    """token: each token outside the band is dropped; sample: every token of a sample whose
+    geometric-mean ratio exp(mean of its log-ratios) leaves the band (verl's 'geometric' rejection,
+    which it runs with a band as narrow as [0.999, 1.001])."""
+    mis_low: float = Field(0.5, gt=0)
+    """Lower end of the MIS band (slime's MIS example and verl: 1 / 2.0)."""
+    mis_high: float = Field(2.0, gt=0)
+    """Upper end of the MIS band (slime's MIS example and verl: 2.0)."""
     tensor_model_parallel_size: int = Field(2, ge=1)
     """Megatron tensor parallel size."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
@@ -213,11 +238,11 @@ class RunConfig(Section):
         elif self.global_batch_size is None:
             raise ValueError("set num_steps_per_rollout or global_batch_size")
         if (
-            self.get_mismatch_metrics
+            (self.get_mismatch_metrics or self.use_tis or self.use_mis)
             and not self.use_rollout_logprobs
             and self.rollout_logprobs_fraction == 0
         ):
-            # Mismatch metrics need rollout log-probs: ask for them on every sample.
+            # Mismatch metrics and TIS/MIS need rollout log-probs: ask for them on every sample.
             set_(self, "rollout_logprobs_fraction", 1.0)
         problems = list(self._problems())
         if problems:
@@ -266,6 +291,16 @@ class RunConfig(Section):
             yield (
                 f"colocate shares the GPUs, but rollout_num_gpus={self.rollout_num_gpus} differs from "
                 f"the trainer's {self.train_world_size} GPUs: make them equal or set colocate=false"
+            )
+        if (self.use_tis or self.use_mis) and self.use_rollout_logprobs:
+            yield (
+                "use_tis/use_mis weight by exp(train_logprob − rollout_logprob), but use_rollout_logprobs "
+                "makes the rollout log-probs the old policy (the ratio is then 1): unset one of them"
+            )
+        if not self.mis_low < 1.0 < self.mis_high:
+            yield (
+                f"the MIS band [mis_low, mis_high] = [{self.mis_low}, {self.mis_high}] must contain 1 "
+                "(a ratio of 1 is an on-policy token): set mis_low < 1 < mis_high"
             )
         if self.rollout_temperature < GREEDY_TEMPERATURE:
             yield (

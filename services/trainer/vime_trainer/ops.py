@@ -325,9 +325,15 @@ class RunOps:
 
 
 def train_metrics(steps: list[dict[str, float]], prefix: str = "train") -> dict[str, float]:
-    """The mean over the optimizer steps of each trainer metric, as ``<prefix>/<name>``."""
+    """The mean (for ``*_max``: the max) over the optimizer steps of each trainer metric, as
+    ``<prefix>/<name>``."""
     keys = sorted({k for s in steps for k in s})
-    out = {f"{prefix}/{k}": float(statistics.fmean(float(s[k]) for s in steps if k in s)) for k in keys}
+    out = {
+        f"{prefix}/{k}": float(
+            (max if k.endswith("_max") else statistics.fmean)(float(s[k]) for s in steps if k in s)
+        )
+        for k in keys
+    }
     out[f"{prefix}/optimizer_steps"] = float(len(steps))
     return out
 

@@ -105,6 +105,8 @@ def test_logprobs_only_when_consumed() -> None:
     assert logprobs_wanted(_cfg(), 0) is None
     assert logprobs_wanted(_cfg(use_rollout_logprobs=True), 0) == 0  # the sampled token's only
     assert logprobs_wanted(_cfg(get_mismatch_metrics=True), 5) == 0
+    assert logprobs_wanted(_cfg(use_tis=True, rollout_logprobs_fraction=0.01), 5) == 0  # every group
+    assert logprobs_wanted(_cfg(use_mis=True, rollout_logprobs_fraction=0.01), 7) == 0
     assert logprobs_wanted(_cfg(score_centering_top_k=4), 5) == 5
     picked = [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g) is not None]
     assert 400 < len(picked) < 600
