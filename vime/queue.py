@@ -9,6 +9,7 @@ batch id is deterministic, a rank records the batches it trained and skips a red
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,10 +102,12 @@ class BatchPublisher:
             "batch_id": batch.batch_id,
             "rollout_id": batch.rollout_id,
             "weight_version": batch.weight_version,
+            "weight_version_min": _oldest_version(batch),
             "n_samples": batch.num_samples,
             "dp_size": len(blobs),
             "blob_prefix": prefix,
             "created": created,
+            "metrics": json.dumps(batch.metrics),
         }
         duplicate = PublishResult(batch.batch_id, False, None, 0)
         try:
@@ -308,6 +311,13 @@ def _check_shares(run_id: str, batch: RolloutBatch, rank_batches: Sequence[RankB
         raise ValueError(
             f"batch {batch.batch_id}: the shares do not add up to its {batch.num_samples} samples"
         )
+
+
+def _oldest_version(batch: RolloutBatch) -> int:
+    """The oldest weight version any token of the batch was sampled with (what bounds its staleness)."""
+    if batch.num_samples == 0:
+        return batch.weight_version
+    return int(batch.first_weight_versions.min())
 
 
 def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -132,6 +132,8 @@ class Publisher:
             rollout_id=first.rollout_id,
             weight_version=first.weight_version,
             num_samples=sum(s.num_samples for s in shares),
+            first_weight_versions=np.concatenate([s.first_weight_versions for s in shares]),
+            metrics=first.metrics,
         )
 
         async def publish() -> None:

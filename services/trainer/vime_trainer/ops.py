@@ -348,6 +348,7 @@ def batch_metrics(shares: Sequence[ShareSummary]) -> dict[str, float]:
         "batch/samples": float(sum(s.samples for s in shares)),
         "batch/weight_version_min": float(min(versions, default=-1)),
         "batch/weight_version_max": float(max(versions, default=-1)),
+        "batch/first_weight_version_min": float(min((s.first_weight_version for s in shares), default=-1)),
         "batch/dp_ranks": float(len(shares)),
         "batch/rank_samples_min": min(per_rank),
         "batch/rank_samples_max": max(per_rank),

@@ -123,6 +123,8 @@ class GenerateState:
     weight_version: Callable[[], int]
     evaluation: bool = False
     abort_engines: Callable[[], Awaitable[None]] | None = None
+    continue_aborted: bool = False
+    """A request the engine aborted continues from its partial output instead of starting over."""
     semaphore: asyncio.Semaphore = field(init=False)
     aborted: bool = False
     counters: RolloutCounters = field(default_factory=RolloutCounters)
