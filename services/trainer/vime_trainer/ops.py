@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
 from vime.retry import poll_until
+from vime.wire.engine import PauseMode
 from vime.wire.rollout import LIVE, EngineInfo, MemoryResult, RolloutJob
 from vime.wire.trainer import CheckpointResult, PushResult
 from vime_trainer.batches import BatchRef, ShareSummary, TrainResult, log_skipped
@@ -217,9 +218,10 @@ class RunOps:
         self.events.record("admission.resume", was_paused=was_paused, paused=result.paused)
 
     async def update_weights(
-        self, version: int, flush: bool, *, stale_only: bool = False
+        self, version: int, flush: bool, *, stale_only: bool = False, mode: PauseMode | None = None
     ) -> PushResult | None:
-        """Steps 45–52 to the engines of the update lock (only the stale ones with ``stale_only``)."""
+        """Steps 45–52 to the engines of the update lock (only the stale ones with ``stale_only``),
+        pausing them with ``mode`` (None: step 46's, ``abort`` when flushing, else ``keep``)."""
         assert self.sync is not None, "start_trainer first"
         lease = await self.rollout.update_lock()
         done = False
@@ -229,7 +231,7 @@ class RunOps:
                 return None
             self.events.record("weights.push", version=version, flush=flush, engines=[e.url for e in targets])
             targets = await self._weights_awake(targets)
-            report = await self.sync.push(targets, version, flush)
+            report = await self.sync.push(targets, version, flush, mode)
             await self.rollout.weights_loaded(version, lease_id=lease.lease_id, engine_urls=report.engines)
             done = True
         finally:
