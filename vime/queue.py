@@ -41,6 +41,11 @@ def trained_key(run_id: str, dp_rank: int) -> str:
     return f"vime:{run_id}:trained:rank{dp_rank}"
 
 
+def dropped_key(run_id: str) -> str:
+    """Set of batch ids the trainer dropped untrained (the async mode's stale batches)."""
+    return f"vime:{run_id}:dropped"
+
+
 def group_name(dp_rank: int) -> str:
     return f"rank{dp_rank}"
 
@@ -237,8 +242,10 @@ class BatchConsumer:
         if batch_id in self._handed:  # a second entry of a batch in flight here: one is enough
             await self._r.xack(self._stream, self._group, entry_id)
             return None
-        if await self._r.sismember(self._trained, batch_id):
-            await self._finish(batch_id, entry_id)
+        if await self._r.sismember(self._trained, batch_id) or await self._r.sismember(
+            dropped_key(self.run_id), batch_id
+        ):
+            await self._finish(batch_id, entry_id, record=False)
             return None
         if self.dp_rank >= int(meta["dp_size"]):
             raise BatchTransportError(
@@ -249,9 +256,10 @@ class BatchConsumer:
         self._handed[batch_id] = entry_id
         return batch
 
-    async def _finish(self, batch_id: str, entry_id: bytes | None) -> None:
+    async def _finish(self, batch_id: str, entry_id: bytes | None, record: bool = True) -> None:
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.sadd(self._trained, batch_id)
+            if record:
+                pipe.sadd(self._trained, batch_id)
             if entry_id is not None:
                 pipe.xack(self._stream, self._group, entry_id)
             pipe.delete(blob_prefix(self.run_id, batch_id) + str(self.dp_rank))

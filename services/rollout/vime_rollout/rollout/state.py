@@ -125,6 +125,8 @@ class GenerateState:
     abort_engines: Callable[[], Awaitable[None]] | None = None
     continue_aborted: bool = False
     """A request the engine aborted continues from its partial output instead of starting over."""
+    admitted: Callable[[], Awaitable[None]] | None = None
+    """Awaited before each round of groups starts (the async producer's admission, seed step 44)."""
     semaphore: asyncio.Semaphore = field(init=False)
     aborted: bool = False
     counters: RolloutCounters = field(default_factory=RolloutCounters)
