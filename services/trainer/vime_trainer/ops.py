@@ -91,6 +91,10 @@ class RunOps:
             except Exception as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 return None
+            if status.mode != self.cfg.mode:
+                raise RunError(
+                    f"mode={self.cfg.mode}, but the rollout manager was started with mode={status.mode}"
+                )
             if not any(e.status in LIVE for e in status.engines):
                 last = "no live engine yet"
                 return None
