@@ -35,7 +35,7 @@ log = logging.getLogger("vime.rollout.manager")
 
 class Admission:
     """Whether new training rollouts may start (seed steps 9, 44, 53); evals are not gated. The
-    async producer waits on it before each rollout and each group it starts (`wait_open`)."""
+    async producer waits on it before each rollout and each round of groups (`wait_open`)."""
 
     def __init__(self) -> None:
         self._open = asyncio.Event()

@@ -315,3 +315,10 @@ async def test_a_stop_during_the_warm_up_ends_the_run_before_any_push() -> None:
     assert await run.go() is RunState.STOPPED
     assert [c for c in run.backend.calls if c.startswith("train_sft")] == ["train_sft 0", "train_sft 1"]
     assert "weights.push" not in run.actions() and not run.backend.checkpoints and not run.steps
+
+
+async def test_a_run_in_the_mode_the_rollout_manager_was_not_started_in_fails_at_start() -> None:
+    run = Run("mode=async", "colocate=false")  # the fake manager says mode=sync
+    with pytest.raises(RunError, match="mode=async, but the rollout manager was started with mode=sync"):
+        await run.go()
+    assert "trainer.start" not in run.actions(None)  # refused before any rank started
