@@ -70,6 +70,7 @@ async def _trainer(url: str, fn: Any) -> Any:
         return await fn(client)
 
 
+@pytest.mark.timeout(900)  # the embedded default's warm-up is most of it: ~4 min on 2 quiet cores
 def test_async_run_learns_within_the_bound_and_a_resume_loses_nothing(
     redis_url: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
