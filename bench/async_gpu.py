@@ -94,6 +94,7 @@ def mode_config(work: Path, args: argparse.Namespace, model: Path, mode: str) ->
         logprobs=True,
         weight_loads=["vllm"],
     )
+    (work / mode).mkdir(parents=True, exist_ok=True)
     cfg = run_config(work / mode, step_args, model)
     cfg["run_id"] = f"bench-{mode}"
     cfg["mode"] = mode
