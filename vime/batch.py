@@ -42,7 +42,8 @@ __all__ = [
 ]
 
 FORMAT_MAGIC = "vime-rank-batch"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: ``first_weight_versions`` (each sample's oldest weight version) added."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class SampleRow:
     index: int
     group_index: int
     weight_version: int
+    first_weight_version: int
     status: SampleStatus
     truncated: bool
 
@@ -86,6 +88,9 @@ class SampleColumns:
     sample_indices: npt.NDArray[np.int64]
     group_indices: npt.NDArray[np.int64]
     weight_versions: npt.NDArray[np.int32]
+    """The version that sampled each sample's last token."""
+    first_weight_versions: npt.NDArray[np.int32]
+    """The version that sampled each sample's first token (its oldest)."""
     statuses: npt.NDArray[np.uint8]
     truncated: npt.NDArray[np.bool_]
 
@@ -139,6 +144,7 @@ class SampleColumns:
             index=int(self.sample_indices[i]),
             group_index=int(self.group_indices[i]),
             weight_version=int(self.weight_versions[i]),
+            first_weight_version=int(self.first_weight_versions[i]),
             status=STATUS_CODES[int(self.statuses[i])],
             truncated=bool(self.truncated[i]),
         )
@@ -173,7 +179,8 @@ class RolloutBatch(SampleColumns):
         """Columns of ``samples`` in their order; ``advantages`` are the group-normalised rewards.
 
         A sample without a reward gets NaN, one without an index / group index gets -1, one
-        without a weight version gets ``weight_version`` (what the engines held).
+        without a weight version gets ``weight_version`` (what the engines held), one without a
+        first weight version its weight version.
         """
         if len(advantages) != len(samples):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
@@ -361,18 +368,22 @@ def _columns_from_samples(samples: Sequence[Sample], default_version: int) -> di
             [-1 if s.group_index is None else s.group_index for s in samples], dtype=np.int64
         ),
         "weight_versions": np.array([_version(s, default_version) for s in samples], dtype=np.int32),
+        "first_weight_versions": np.array(
+            [_version(s, default_version, first=True) for s in samples], dtype=np.int32
+        ),
         "statuses": np.array([STATUS_CODES.index(s.status) for s in samples], dtype=np.uint8),
         "truncated": np.array([s.status == SampleStatus.TRUNCATED for s in samples], dtype=np.bool_),
     }
 
 
-def _version(s: Sample, default: int) -> int:
-    if s.weight_version is None:
+def _version(s: Sample, default: int, first: bool = False) -> int:
+    value = s.first_weight_version if first and s.first_weight_version is not None else s.weight_version
+    if value is None:
         return default
     try:
-        return int(s.weight_version)
+        return int(value)
     except ValueError:
-        raise ValueError(f"sample {s.index}: weight_version {s.weight_version!r} is not an integer") from None
+        raise ValueError(f"sample {s.index}: weight version {value!r} is not an integer") from None
 
 
 def _concat(lists: list[list[int]], dtype: type[np.generic]) -> npt.NDArray[Any]:

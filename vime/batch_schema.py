@@ -27,6 +27,7 @@ SAMPLE_COLUMNS: dict[str, np.dtype[Any]] = {
     "sample_indices": np.dtype(np.int64),
     "group_indices": np.dtype(np.int64),
     "weight_versions": np.dtype(np.int32),
+    "first_weight_versions": np.dtype(np.int32),
     "statuses": np.dtype(np.uint8),
     "truncated": np.dtype(np.bool_),
 }

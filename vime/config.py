@@ -142,6 +142,31 @@ class RunConfig(Section):
     """Use the engine's log-probs as old log-probs instead of recomputing them."""
     get_mismatch_metrics: bool = False
     """Compute train/inference log-prob mismatch metrics (needs rollout log-probs)."""
+    use_tis: bool = False
+    """Truncated importance sampling: each token's policy-gradient loss is weighted by
+    min(exp(train_logprob − rollout_logprob), tis_clip), a constant of the loss, where
+    train_logprob is the trainer's log-prob before the update and rollout_logprob the engine's
+    (then requested for every sample). Corrects the train/inference mismatch and, in the async
+    mode, the staleness of a batch. Off by default, as in slime (--use-tis off, --tis-clip 2.0),
+    verl (algorithm.rollout_correction.rollout_is null, threshold 2.0) and AReaL
+    (use_decoupled_loss off)."""
+    tis_clip: float = Field(2.0, gt=0)
+    """The truncation of the TIS weight (slime's and verl's default, 2.0)."""
+    use_mis: bool = False
+    """Masked importance sampling: the policy-gradient loss of tokens (``mis_level: token``) or of
+    whole samples (``sample``) whose ratio exp(train_logprob − rollout_logprob) leaves
+    [mis_low, mis_high] is dropped (weight 0); with use_tis the others keep their TIS weight.
+    Off by default, as in slime (its MIS is an example, not a flag) and verl (rollout_rs null);
+    prime-rl masks by default, but by the probability difference and the advantage's sign, not
+    by a ratio band."""
+    mis_level: Literal["token", "sample"] = "token"
+    """token: each token outside the band is dropped; sample: every token of a sample whose
+    geometric-mean ratio exp(mean of its log-ratios) leaves the band (verl's 'geometric' rejection,
+    which it runs with a band as narrow as [0.999, 1.001])."""
+    mis_low: float = Field(0.5, gt=0)
+    """Lower end of the MIS band (slime's MIS example and verl: 1 / 2.0)."""
+    mis_high: float = Field(2.0, gt=0)
+    """Upper end of the MIS band (slime's MIS example and verl: 2.0)."""
     tensor_model_parallel_size: int = Field(2, ge=1)
     """Megatron tensor parallel size."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
@@ -153,13 +178,30 @@ class RunConfig(Section):
     actor_num_cpu_ranks: int = Field(1, ge=1)
     """Training ranks on a host without GPUs."""
 
+    # --- the loop: synchronous (the seed's) or fully async ----------------------------------
+    mode: Literal["sync", "async"] = "sync"
+    """sync: the seed's step, generate → train → push one after the other (colocated, engines and
+    trainer sleep in turn). async: the rollout manager generates rollout after rollout into Redis
+    while the trainer trains on the newest batch at most ``max_staleness`` weight versions old, and
+    each push reaches the engines in flight; nothing sleeps (on shared GPUs the engines and the
+    trainer split the memory: engine.gpu_memory_utilization, trainer.gpu_memory_utilization). The
+    rollout manager reads it at start; a run may not ask for the other mode."""
+    max_staleness: int = Field(1, ge=1)
+    """async: a batch is trained only if the trainer's weight version minus the oldest version any
+    of its tokens was sampled with is at most this; older ones are dropped (acked, counted, never
+    trained). The rollout manager starts a rollout only while fewer than this many batches wait."""
+    inflight_update: Literal["keep", "abort"] = "keep"
+    """async: what a push does to the requests in flight: ``keep`` pauses them in place (they go on
+    with the new weights, their tokens then carry two versions; TIS corrects for it), ``abort``
+    stops them, and each continues from its partial output after the push."""
+
     # --- memory and weight sync (seed steps 33-36, 43-54) ----------------------------------
     colocate: bool = True
-    """Trainer and engines share the same GPUs (time-shared through sleep/wake)."""
+    """Trainer and engines share the same GPUs (sync: time-shared through sleep/wake)."""
     offload_rollout: bool | None = None
-    """Engines sleep while training; defaults to colocate."""
+    """Engines sleep while training; defaults to colocate in the sync mode (never in async)."""
     offload_train: bool | None = None
-    """Trainer frees GPU memory while engines run; defaults to colocate."""
+    """Trainer frees GPU memory while engines run; defaults to colocate in the sync mode (never in async)."""
     flush_cache_interval: int = Field(1, ge=1)
     """Abort in-flight requests and flush the prefix cache every N weight versions (seed steps 8, 45)."""
 
@@ -198,9 +240,9 @@ class RunConfig(Section):
         if self.over_sampling_batch_size is None:
             set_(self, "over_sampling_batch_size", self.rollout_batch_size)
         if self.offload_rollout is None:
-            set_(self, "offload_rollout", self.colocate)
+            set_(self, "offload_rollout", self.colocate and self.mode == "sync")
         if self.offload_train is None:
-            set_(self, "offload_train", self.colocate)
+            set_(self, "offload_train", self.colocate and self.mode == "sync")
         samples = self.rollout_batch_size * self.n_samples_per_prompt
         if self.num_steps_per_rollout is not None:
             if samples % self.num_steps_per_rollout:
@@ -213,11 +255,11 @@ class RunConfig(Section):
         elif self.global_batch_size is None:
             raise ValueError("set num_steps_per_rollout or global_batch_size")
         if (
-            self.get_mismatch_metrics
+            (self.get_mismatch_metrics or self.use_tis or self.use_mis)
             and not self.use_rollout_logprobs
             and self.rollout_logprobs_fraction == 0
         ):
-            # Mismatch metrics need rollout log-probs: ask for them on every sample.
+            # Mismatch metrics and TIS/MIS need rollout log-probs: ask for them on every sample.
             set_(self, "rollout_logprobs_fraction", 1.0)
         problems = list(self._problems())
         if problems:
@@ -267,6 +309,17 @@ class RunConfig(Section):
                 f"colocate shares the GPUs, but rollout_num_gpus={self.rollout_num_gpus} differs from "
                 f"the trainer's {self.train_world_size} GPUs: make them equal or set colocate=false"
             )
+        yield from self._async_problems()
+        if (self.use_tis or self.use_mis) and self.use_rollout_logprobs:
+            yield (
+                "use_tis/use_mis weight by exp(train_logprob − rollout_logprob), but use_rollout_logprobs "
+                "makes the rollout log-probs the old policy (the ratio is then 1): unset one of them"
+            )
+        if not self.mis_low < 1.0 < self.mis_high:
+            yield (
+                f"the MIS band [mis_low, mis_high] = [{self.mis_low}, {self.mis_high}] must contain 1 "
+                "(a ratio of 1 is an on-policy token): set mis_low < 1 < mis_high"
+            )
         if self.rollout_temperature < GREEDY_TEMPERATURE:
             yield (
                 f"rollout_temperature={self.rollout_temperature} is greedy decoding: every sample of a "
@@ -274,6 +327,22 @@ class RunConfig(Section):
                 "of logits / temperature are undefined; set rollout_temperature > 0 "
                 "(data.eval_temperature=0 is how to evaluate greedily)"
             )
+
+    def _async_problems(self) -> Iterable[str]:
+        if self.mode != "async":
+            return
+        if self.offload_rollout or self.offload_train:
+            yield (
+                "mode=async keeps the engines and the trainer awake: set offload_rollout=false and "
+                "offload_train=false (or leave them unset)"
+            )
+        if self.colocate and self.actor_num_gpus_per_node:
+            engine, trainer = self.engine.gpu_memory_utilization, self.trainer.gpu_memory_utilization
+            if trainer is None or engine + trainer > 1.0:
+                yield (
+                    f"mode=async on shared GPUs splits their memory: engine.gpu_memory_utilization={engine} "
+                    f"+ trainer.gpu_memory_utilization={trainer} must be set and at most 1"
+                )
 
     # --- derived values, shown by `vime config show` ----------------------------------------
     @computed_field  # type: ignore[prop-decorator]

@@ -224,6 +224,9 @@ class TrainerConfig(Section):
     """torch.compile the per-chunk log-prob/entropy computation over the vocabulary."""
     compile_layers: bool = False
     """torch.compile each transformer layer's MLP and norms (fuses SwiGLU and RMSNorm)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """Most of each GPU a training rank may allocate (torch's per-process memory fraction); None:
+    no cap. The async mode on shared GPUs needs it, with engine.gpu_memory_utilization, at most 1."""
     packed_buffer_size_bytes: int = Field(1 << 30, ge=1 << 12)
     """Weight-push bucket size (a tensor larger than this travels alone in its own bucket)."""
     weight_transport: Literal["auto", "ipc", "shm"] = "auto"

@@ -9,6 +9,7 @@ batch id is deterministic, a rank records the batches it trained and skips a red
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ def published_key(run_id: str, batch_id: str) -> str:
 def trained_key(run_id: str, dp_rank: int) -> str:
     """Set of batch ids this rank has trained on (and acked)."""
     return f"vime:{run_id}:trained:rank{dp_rank}"
+
+
+def dropped_key(run_id: str) -> str:
+    """Set of batch ids the trainer dropped untrained (the async mode's stale batches)."""
+    return f"vime:{run_id}:dropped"
 
 
 def group_name(dp_rank: int) -> str:
@@ -124,10 +130,12 @@ class BatchPublisher:
             "batch_id": batch.batch_id,
             "rollout_id": batch.rollout_id,
             "weight_version": batch.weight_version,
+            "weight_version_min": _oldest_version(batch),
             "n_samples": batch.num_samples,
             "dp_size": len(blobs),
             "blob_prefix": prefix,
             "created": created,
+            "metrics": json.dumps(batch.metrics),
         }
         duplicate = PublishResult(batch.batch_id, False, None, 0)
         for _ in range(PUBLISH_ATTEMPTS):
@@ -264,8 +272,10 @@ class BatchConsumer:
         if batch_id in self._handed:  # a second entry of a batch in flight here: one is enough
             await self._r.xack(self._stream, self._group, entry_id)
             return None
-        if await self._r.sismember(self._trained, batch_id):
-            await self._finish(batch_id, entry_id)
+        if await self._r.sismember(self._trained, batch_id) or await self._r.sismember(
+            dropped_key(self.run_id), batch_id
+        ):
+            await self._finish(batch_id, entry_id, record=False)
             return None
         if self.dp_rank >= int(meta["dp_size"]):
             raise BatchTransportError(
@@ -276,9 +286,10 @@ class BatchConsumer:
         self._handed[batch_id] = entry_id
         return batch
 
-    async def _finish(self, batch_id: str, entry_id: bytes | None) -> None:
+    async def _finish(self, batch_id: str, entry_id: bytes | None, record: bool = True) -> None:
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.sadd(self._trained, batch_id)
+            if record:
+                pipe.sadd(self._trained, batch_id)
             if entry_id is not None:
                 pipe.xack(self._stream, self._group, entry_id)
             pipe.delete(blob_prefix(self.run_id, batch_id) + str(self.dp_rank))
@@ -338,6 +349,13 @@ def _check_shares(run_id: str, batch: RolloutBatch, rank_batches: Sequence[RankB
         raise ValueError(
             f"batch {batch.batch_id}: the shares do not add up to its {batch.num_samples} samples"
         )
+
+
+def _oldest_version(batch: RolloutBatch) -> int:
+    """The oldest weight version any token of the batch was sampled with (what bounds its staleness)."""
+    if batch.num_samples == 0:
+        return batch.weight_version
+    return int(batch.first_weight_versions.min())
 
 
 def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -63,7 +63,11 @@ class Sample(BaseModel):
     session_id: str | None = None
     """Routing key for consistent hashing (seed step 17)."""
     weight_version: str | None = None
-    """Weight version of the engine that generated the response."""
+    """Weight version that sampled the response's last token."""
+    first_weight_version: str | None = None
+    """Weight version that sampled its first token: older than ``weight_version`` when new weights
+    reached the engine while it was generated (an in-flight update, a continued partial sample).
+    It bounds how stale the sample is."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free-form per-sample data (e.g. rm_type, finish reason, usage)."""
 

@@ -131,6 +131,16 @@ STEPS: dict[str, Step] = {
             expect_s=300,
         ),
         Step(
+            "bench_async",
+            "mode=async vs the synchronous colocated mode on one GPU, back to back (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): samples/s, their ratio (goal ≥ 1.5), the mismatch of each",
+            _args("bench/async_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
+            + _args("--rollouts 4"),
+            _args("bench/async_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
+            + _args("--rollouts 3"),
+            timeout_s=570,
+            expect_s=380,
+        ),
+        Step(
             "bench_rollout",
             "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (the seed's and the manager's form), the gap by part",
             _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024"),
@@ -181,6 +191,7 @@ GROUPS: dict[str, list[str]] = {
     "benches": ["bench_sync", "bench_step"],
     "throughput": ["train_kernels", "bench_train_4b", "bench_train"],
     "weight_load": ["bench_sync", "direct", "loop_direct"],
+    "async": ["bench_async"],
     "all": list(STEPS),
 }
 """Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second;

@@ -222,3 +222,38 @@ async def test_rank_outside_the_batch_dp_size_is_refused(redis_url: str, run_id:
     async with BatchConsumer(redis_url, run_id, DP, "trainer-4") as c:
         with pytest.raises(BatchTransportError, match="split for DP size 4, this is rank 4"):
             await c.next()
+
+
+async def test_the_entry_says_the_batch_s_oldest_weight_version_and_its_metrics(
+    redis_url: str, run_id: str, raw: aioredis.Redis
+) -> None:
+    """A sample updated in flight carries its first token's version; the entry's
+    ``weight_version_min`` is the oldest of them (what bounds the batch's staleness)."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(8):
+        s = Sample(tokens=[1, 2, 3], index=i, group_index=0, weight_version="5", reward=float(i % 2))
+        s.first_weight_version = "3" if i == 6 else "5"
+        s.append_response_tokens(rng.integers(0, 100, 4).tolist())
+        s.status = SampleStatus.COMPLETED
+        samples.append(s)
+    batch = RolloutBatch.from_samples(
+        samples,
+        batch_id=f"{run_id}:0:0",
+        run_id=run_id,
+        rollout_id=0,
+        weight_version=4,
+        advantages=[0.0] * 8,
+        metrics={"rollout/reward_mean": 0.5},
+    )
+    assert batch.first_weight_versions.tolist() == [5] * 6 + [3, 5] and (batch.weight_versions == 5).all()
+    shares = split_by_dp(batch, build_dp_schedule(batch.total_lengths().tolist(), 8, 4, 2))
+    async with BatchPublisher(redis_url, run_id) as pub:
+        await pub.publish(batch, shares)
+    ((_, fields),) = await raw.xrange(stream_key(run_id))
+    assert fields[b"weight_version"] == b"4" and fields[b"weight_version_min"] == b"3"
+    assert fields[b"metrics"] == b'{"rollout/reward_mean": 0.5}'
+    async with BatchConsumer(redis_url, run_id, 1, "t") as c:
+        got = await c.next()
+    assert got is not None  # a share keeps each of its samples' first version (sample index = row here)
+    assert got.first_weight_versions.tolist() == batch.first_weight_versions[got.sample_indices].tolist()

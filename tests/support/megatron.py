@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -132,6 +132,8 @@ class Publisher:
             rollout_id=first.rollout_id,
             weight_version=first.weight_version,
             num_samples=sum(s.num_samples for s in shares),
+            first_weight_versions=np.concatenate([s.first_weight_versions for s in shares]),
+            metrics=first.metrics,
         )
 
         async def publish() -> None:
@@ -151,11 +153,18 @@ def with_rollout_log_probs(rb: RankBatch, log_probs: np.ndarray) -> RankBatch:
     )
 
 
-def hf_reference(checkpoint: Path, batch: RolloutBatch, cfg: RunConfig, steps: int) -> list[dict[str, float]]:
+TokenWeights = Callable[[int, torch.Tensor], torch.Tensor]
+"""(sample index, the sample's detached response log-probs) -> a weight per response token."""
+
+
+def hf_reference(
+    checkpoint: Path, batch: RolloutBatch, cfg: RunConfig, steps: int, weights: TokenWeights | None = None
+) -> list[dict[str, float]]:
     """The same GRPO steps computed with the HF model and torch AdamW: loss, grad norm, entropy per step.
 
     One optimizer step per call, ratio 1 (old = current.detach()), per-sample token means over the
-    loss mask divided by the batch size, grad-norm clipping at ``clip_grad``.
+    loss mask divided by the batch size, grad-norm clipping at ``clip_grad``; ``weights`` multiply
+    each token's policy-gradient loss (a TIS / MIS weight written out by the caller).
     """
     from transformers import AutoModelForCausalLM
 
@@ -175,6 +184,8 @@ def hf_reference(checkpoint: Path, batch: RolloutBatch, cfg: RunConfig, steps: i
             lp = logp.gather(-1, ids[0, p:].unsqueeze(-1)).squeeze(-1)
             mask = torch.tensor(s.loss_mask, dtype=torch.float32)
             token_loss = -torch.exp(lp - lp.detach()) * s.advantage
+            if weights is not None:
+                token_loss = token_loss * weights(s.index, lp.detach())
             loss = loss + (token_loss * mask).sum() / mask.sum() / batch.num_samples
             ent = -(logp.exp() * logp).sum(-1)
             entropy += float((ent.detach() * mask).sum() / mask.sum()) / batch.num_samples

@@ -91,6 +91,16 @@ def test_step_line_shows_reward_length_and_t_step_by_phase() -> None:
         assert part in line
 
 
+def test_an_async_step_shows_its_wait_train_sync_overlap_and_staleness() -> None:
+    step = _step(4, 0.5)
+    step.metrics.update({"async/overlap": 0.93, "async/staleness": 1.0, "async/dropped": 2.0})
+    line = step_line(step)
+    assert "wait 2.0s  train 3.0s  sync 0.5s" in line and "offload" not in line
+    assert "overlap 93%  stale 1" in line and "dropped 2" in line
+    step.metrics["async/dropped"] = 0.0
+    assert "dropped" not in step_line(step)
+
+
 def _write_metrics(path: Path, steps: list[StepRecord]) -> None:
     # The trainer's flat line format (vime_trainer.record.step_row).
     with path.open("a") as f:

@@ -64,12 +64,29 @@ def test_explicit_values_are_kept() -> None:
         (["trainer.packed_sequences=true", "trainer.use_sdpa=false"], "packed_sequences needs use_sdpa=true"),
         (["max_tokens_per_gpu=4096", "actor_num_gpus_per_node=6"], "not a multiple of DP size = 3"),
         (["max_tokens_per_gpu=0"], "max_tokens_per_gpu"),
+        (["mode=async"], "trainer.gpu_memory_utilization=None must be set and at most 1"),
+        (["mode=async", "trainer.gpu_memory_utilization=0.6"], "must be set and at most 1"),
+        (["mode=async", "colocate=false", "offload_train=true"], "keeps the engines and the trainer awake"),
+        (["mode=fully_async"], "mode: Input should be 'sync' or 'async'"),
+        (["mode=async", "max_staleness=0"], "max_staleness"),
     ],
 )
 def test_impossible_configs_are_refused(overrides: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
     assert fragment in str(info.value)
+
+
+def test_async_mode_keeps_everything_awake_and_splits_shared_gpus() -> None:
+    cfg = load_config(overrides=["mode=async", "trainer.gpu_memory_utilization=0.45"])
+    assert (cfg.offload_rollout, cfg.offload_train, cfg.max_staleness, cfg.inflight_update) == (
+        False,
+        False,
+        1,
+        "keep",
+    )
+    sync = load_config()
+    assert (sync.mode, sync.offload_rollout, sync.offload_train) == ("sync", True, True)  # the seed's
 
 
 def test_greedy_is_for_evaluation_only() -> None:

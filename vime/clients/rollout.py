@@ -19,6 +19,7 @@ from vime.wire.rollout import (
     EnginesStatus,
     JobState,
     MemoryResult,
+    ProducerStatus,
     RolloutJob,
     SftBatch,
     TrainingCompleted,
@@ -149,6 +150,26 @@ class RolloutClient(ServiceClient):
     async def set_data_state(self, state: dict[str, Any]) -> None:
         """Restore a saved position (a resumed run continues with the prompts it had not seen)."""
         await self.request("PUT", "/v1/data-source/state", json={"state": state}, idempotent=True)
+
+    async def producer(self) -> ProducerStatus:
+        """The async mode's producer: running, next rollout, batches waiting, seconds generating."""
+        return ProducerStatus.model_validate(await self.request("GET", "/v1/producer", idempotent=True))
+
+    async def start_producer(
+        self, first_rollout_id: int, end_rollout_id: int, *, dp_size: int, max_staleness: int
+    ) -> ProducerStatus:
+        body = {
+            "first_rollout_id": first_rollout_id,
+            "end_rollout_id": end_rollout_id,
+            "dp_size": dp_size,
+            "max_staleness": max_staleness,
+        }
+        return ProducerStatus.model_validate(await self.request("POST", "/v1/producer/start", json=body))
+
+    async def stop_producer(self) -> ProducerStatus:
+        """Stop it; the rollout under way is cancelled and its prompts go back to the data source."""
+        out = await self.request("POST", "/v1/producer/stop", timeout=None, idempotent=True)
+        return ProducerStatus.model_validate(out)
 
     async def health(self) -> dict[str, Any]:
         return dict(await self.request("GET", "/health", idempotent=True))

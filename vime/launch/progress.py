@@ -68,12 +68,24 @@ def step_line(step: StepRecord) -> str:
     if length is not None:
         parts.append(f"len {length:.1f}")
     t = step.timings
-    phases = "  ".join(f"{PHASE_LABELS[p]} {getattr(t, f'{p}_s'):.1f}s" for p in STEP_PHASES)
-    parts.append(f"T_step {t.step_s:.1f}s [dim]= {phases}[/]")
+    if "async/overlap" in m:  # the async mode: waiting for a batch, training, the in-flight push
+        phases = f"wait {t.rollout_s:.1f}s  train {t.train_s:.1f}s  sync {t.weight_sync_s:.1f}s"
+        parts.append(f"T_step {t.step_s:.1f}s [dim]= {phases}[/]")
+        parts.append(async_part(m))
+    else:
+        phases = "  ".join(f"{PHASE_LABELS[p]} {getattr(t, f'{p}_s'):.1f}s" for p in STEP_PHASES)
+        parts.append(f"T_step {t.step_s:.1f}s [dim]= {phases}[/]")
     evals = eval_rewards(m)
     if evals:
         parts.append("eval " + " ".join(f"{n} {v:.3f}" for n, v in evals.items()))
     return "  ".join(parts)
+
+
+def async_part(m: Mapping[str, Any]) -> str:
+    """How much of the training ran beside generation, and the batch's staleness (async mode)."""
+    text = f"overlap {100 * float(m['async/overlap']):.0f}%  stale {int(m.get('async/staleness', 0))}"
+    dropped = int(m.get("async/dropped", 0))
+    return text + (f"  [yellow]dropped {dropped}[/]" if dropped else "")
 
 
 def steps_from_record(path: Path, first: int, before: int) -> list[StepRecord]:

@@ -160,6 +160,8 @@ class EnginesStatus(BaseModel):
     """The version the trainer last reported loaded."""
     health_monitor_paused: bool
     update_lock_held: bool
+    mode: Literal["sync", "async"] = "sync"
+    """The loop the rollout manager was started for (its config's ``mode``)."""
 
 
 OFFLOAD_LEVEL = 2
@@ -244,3 +246,42 @@ class DataSourceState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     state: dict[str, Any]
+
+
+PRODUCER_NEXT_KEY = "producer_next_rollout_id"
+"""In the data-source state handed out while the async producer has started: its next rollout id,
+taken with the position (the batches below it were published from before that position)."""
+
+
+class ProducerRequest(_Request):
+    """``POST /v1/producer/start``: the async mode's rollouts ``[first_rollout_id, end_rollout_id)``."""
+
+    first_rollout_id: int = Field(ge=0, le=MAX_ID)
+    end_rollout_id: int = Field(ge=0, le=MAX_ID)
+    """One past the last rollout (the run's ``num_rollout``)."""
+    dp_size: int = Field(ge=1, le=MAX_COUNT)
+    """The trainer's data-parallel size for the DP schedule."""
+    max_staleness: int = Field(ge=1, le=MAX_COUNT)
+    """A rollout starts only while fewer batches than this wait untaken."""
+
+
+class ProducerStatus(BaseModel):
+    """``GET /v1/producer``: the async mode's producer."""
+
+    running: bool
+    run_id: str
+    """The rollout manager's run id: the batches are on its stream (`vime.queue.stream_key`)."""
+    next_rollout_id: int | None = None
+    """The rollout it produces next (None: never started)."""
+    end_rollout_id: int | None = None
+    max_staleness: int = 1
+    published: int = 0
+    """Batches published since it started."""
+    waiting: int = 0
+    """Batches published and not yet taken (nor dropped) by the trainer."""
+    generating: bool = False
+    """A rollout is under way."""
+    generating_s: float = 0.0
+    """Seconds rollouts have been under way, cumulated (the trainer diffs two reads)."""
+    error: str | None = None
+    """Why it stopped, when a rollout failed."""

@@ -116,6 +116,13 @@ class RunStatus(BaseModel):
     num_rollout: int
     weight_version: int = 0
     """Version of the weights the engines hold (pushed by this run)."""
+    mode: str = "sync"
+    """The run's loop: ``sync`` (the seed's) or ``async``."""
+    last_batch_staleness: int | None = None
+    """async: the trainer's weight version minus the oldest version that sampled the last batch it
+    took (at most ``max_staleness``)."""
+    dropped_batches: int = 0
+    """async: batches dropped untrained so far (staler than the bound, or left from before the run)."""
     steps_done: int = 0
     last_step: StepRecord | None = None
     checkpoint: str | None = None

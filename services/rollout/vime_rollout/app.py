@@ -52,6 +52,7 @@ from vime_rollout.data import DataStateError
 from vime_rollout.engines.records import EngineRecord, LockHeld
 from vime_rollout.jobs import JobConflict
 from vime_rollout.manager import RolloutManager
+from vime_rollout.producer_routes import add_producer_routes
 from vime_rollout.sft import SftLabelError
 
 REPORT_TIMEOUT_S = 2.0
@@ -85,6 +86,7 @@ def engines_status(m: RolloutManager, reported: dict[str, str | None] | None = N
         weight_version=m.engines.current_version,
         health_monitor_paused=m.monitor.paused,
         update_lock_held=m.engines.lock.held(),
+        mode=m.cfg.mode,
     )
 
 
@@ -135,6 +137,7 @@ def build_app(
             "engines": len(m.engines.records),
             "weight_version": m.engines.current_version,
             "rollout_running": m.jobs.running.job_id if m.jobs.running else None,
+            "mode": m.cfg.mode,
         }
 
     app = create_app(
@@ -153,6 +156,7 @@ def build_app(
     _add_rollout_routes(app, mgr, auth, default_dp_size)
     _add_engine_routes(app, mgr, auth)
     _add_control_routes(app, mgr, auth)
+    add_producer_routes(app, mgr, auth, _check_dp_size)
     return app
 
 

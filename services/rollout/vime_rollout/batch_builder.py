@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from redis.asyncio import Redis
+
 from vime.algorithms import build_dp_schedule, normalize_group_rewards, step_multiple
 from vime.batch import RankBatch, RolloutBatch, split_by_dp
 from vime.config import RunConfig
@@ -111,6 +113,10 @@ class BatchSink:
         self.run_id = run_id
         self.publisher = BatchPublisher(redis_url, run_id)
         self._redis = connect(redis_url)
+
+    @property
+    def redis(self) -> Redis:
+        return self._redis
 
     async def next_batch_id(self, rollout_id: int) -> str:
         """``run:rollout:attempt``: the attempt counter lives in Redis, so it survives restarts."""

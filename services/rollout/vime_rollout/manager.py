@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from vime.config import RunConfig
@@ -25,6 +24,7 @@ from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.filters import load_function
 from vime_rollout.jobs import JobRegistry
 from vime_rollout.preview import preview_samples
+from vime_rollout.producer import Producer
 from vime_rollout.rollout.loop import RolloutOutput, generate_rollout
 from vime_rollout.rollout.metrics import engine_request_metrics, eval_metrics, rollout_metrics
 from vime_rollout.rollout.state import GenerateState, Generator, SamplingSettings, Scorer
@@ -33,11 +33,27 @@ from vime_rollout.sft import SftExamples, build_sft_batch
 log = logging.getLogger("vime.rollout.manager")
 
 
-@dataclass
 class Admission:
-    """Whether new training rollouts may start (seed steps 9, 44, 53); evals are not gated."""
+    """Whether new training rollouts may start (seed steps 9, 44, 53); evals are not gated. The
+    async producer waits on it before each rollout and each round of groups (`wait_open`)."""
 
-    paused: bool = False
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if value:
+            self._open.clear()
+        else:
+            self._open.set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
 
     def pause(self) -> bool:
         """Step 44 (`pause_rollout_admission`): pause; returns whether admission already was
@@ -93,6 +109,7 @@ class RolloutManager:
         )
         self.jobs = JobRegistry(run_id)
         self.admission = Admission()
+        self.producer = Producer(self)
         self.filter = (
             load_function(cfg.dynamic_sampling_filter_path) if cfg.dynamic_sampling_filter_path else None
         )
@@ -105,6 +122,8 @@ class RolloutManager:
         rollouts only: it keeps a new batch from being generated across a weight push. An eval or
         a preview publishes nothing, so it may run while admission stays paused after the last step.
         """
+        if self.producer.running and not evaluation:
+            raise ServiceError(409, "the async producer is running: it alone rolls out for training")
         if self.admission.paused and not evaluation and publish:
             raise ServiceError(409, "rollout admission is paused: POST /v1/admission/resume first")
         asleep = sorted({t for r in self.engines.live() for t in r.asleep})
@@ -132,6 +151,8 @@ class RolloutManager:
             weight_version=lambda: self.engines.current_version,
             evaluation=evaluation,
             abort_engines=self.engines.abort_all,
+            continue_aborted=cfg.mode == "async" and cfg.inflight_update == "abort",
+            admitted=None if evaluation or cfg.mode != "async" else self.admission.wait_open,
         )
 
     async def generate(self, job: RolloutJob) -> tuple[RolloutOutput, dict[str, float]]:
@@ -261,15 +282,21 @@ class RolloutManager:
 
     # --- data-source state -------------------------------------------------------------------------
     def data_state(self) -> dict[str, Any]:
+        """The position after the last batch published: once the async producer has started, its
+        own record of it (its rollout under way excluded), with its next rollout id."""
+        if self.producer.published_state is not None:
+            return self.producer.published_state
         return self.data.state_dict()
 
     def set_data_state(self, state: dict[str, Any]) -> None:
-        if self.jobs.running is not None:
+        if self.jobs.running is not None or self.producer.running:
             raise ServiceError(409, "a rollout is running: restore the data-source state between rollouts")
+        self.producer.published_state = None
         self.data.load_state_dict(state)
         self.jobs.forget_finished()
 
     async def aclose(self) -> None:
+        await self.producer.stop()
         await self.jobs.cancel_all()
         await self.monitor.stop()
         await self.engines.stop()

@@ -50,12 +50,15 @@ class ShareSummary:
     samples: int
     micro_batches: int
     weight_versions: tuple[int, ...]
-    """The distinct versions of the weights that generated its samples."""
+    """The distinct versions of the weights that sampled its samples' last tokens."""
+    first_weight_version: int = -1
+    """The oldest version that sampled any of its tokens (-1: no sample)."""
 
     @classmethod
     def of(cls, share: RankBatch) -> ShareSummary:
         versions = tuple(sorted({int(v) for v in share.weight_versions}))
-        return cls(share.dp_rank, share.num_samples, sum(share.num_microbatches), versions)
+        first = int(share.first_weight_versions.min()) if share.num_samples else -1
+        return cls(share.dp_rank, share.num_samples, sum(share.num_microbatches), versions, first)
 
 
 @dataclass

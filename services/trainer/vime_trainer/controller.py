@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from vime.algorithms import should_flush_cache
+from vime.wire.engine import PauseMode
 from vime.wire.trainer import CheckpointResult, RunPhase, RunState, StepRecord
 from vime_trainer.megatron.checkpoint import checkpoint_path
 from vime_trainer.ops import RunOps, RunStopped
@@ -45,6 +47,10 @@ class Controller:
         self.saved_rollout: int | None = None
         """The rollout id of the newest checkpoint this run wrote."""
         self.last_done: int | None = None
+        self.resumed: dict[str, Any] | None = None
+        """The run state of the checkpoint this run resumed from (None: a fresh start)."""
+        self.push_mode: PauseMode | None = None
+        """How a requested push pauses the engines (None: seed step 46's; the async mode's in flight)."""
 
     async def run(self) -> RunState:
         try:
@@ -96,7 +102,7 @@ class Controller:
             await self.warm_up()
         first, version = self.cfg.start_rollout_id or 0, held + 1
         if state is not None:
-            run_state = state.get("run_state") or {}
+            run_state = self.resumed = state.get("run_state") or {}
             first = int(state["next_rollout_id"])
             saved = int(run_state.get("weight_version", 0))
             version = saved if saved >= held else held + 1  # the checkpoint's weights keep their version
@@ -174,7 +180,7 @@ class Controller:
             return
         self.ctx.set_phase(RunPhase.WEIGHT_SYNC)
         version = self.ops.version + 1
-        result = await self.ops.update_weights(version, self.flush(version))
+        result = await self.ops.update_weights(version, self.flush(version), mode=self.push_mode)
         for fut in self.ctx.push_requests:
             if not fut.done():
                 if result is None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
 from vime.retry import poll_until
+from vime.wire.engine import PauseMode
 from vime.wire.rollout import LIVE, EngineInfo, MemoryResult, RolloutJob
 from vime.wire.trainer import CheckpointResult, PushResult
 from vime_trainer.batches import BatchRef, ShareSummary, TrainResult, log_skipped
@@ -90,6 +91,10 @@ class RunOps:
             except Exception as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 return None
+            if status.mode != self.cfg.mode:
+                raise RunError(
+                    f"mode={self.cfg.mode}, but the rollout manager was started with mode={status.mode}"
+                )
             if not any(e.status in LIVE for e in status.engines):
                 last = "no live engine yet"
                 return None
@@ -219,9 +224,10 @@ class RunOps:
         self.events.record("admission.resume", was_paused=was_paused, paused=result.paused)
 
     async def update_weights(
-        self, version: int, flush: bool, *, stale_only: bool = False
+        self, version: int, flush: bool, *, stale_only: bool = False, mode: PauseMode | None = None
     ) -> PushResult | None:
-        """Steps 45–52 to the engines of the update lock (only the stale ones with ``stale_only``)."""
+        """Steps 45–52 to the engines of the update lock (only the stale ones with ``stale_only``),
+        pausing them with ``mode`` (None: step 46's, ``abort`` when flushing, else ``keep``)."""
         assert self.sync is not None, "start_trainer first"
         lease = await self.rollout.update_lock()
         done = False
@@ -231,7 +237,7 @@ class RunOps:
                 return None
             self.events.record("weights.push", version=version, flush=flush, engines=[e.url for e in targets])
             targets = await self._weights_awake(targets)
-            report = await self.sync.push(targets, version, flush)
+            report = await self.sync.push(targets, version, flush, mode)
             await self.rollout.weights_loaded(version, lease_id=lease.lease_id, engine_urls=report.engines)
             done = True
         finally:
@@ -362,9 +368,15 @@ class RunOps:
 
 
 def train_metrics(steps: list[dict[str, float]], prefix: str = "train") -> dict[str, float]:
-    """The mean over the optimizer steps of each trainer metric, as ``<prefix>/<name>``."""
+    """The mean (for ``*_max``: the max) over the optimizer steps of each trainer metric, as
+    ``<prefix>/<name>``."""
     keys = sorted({k for s in steps for k in s})
-    out = {f"{prefix}/{k}": float(statistics.fmean(float(s[k]) for s in steps if k in s)) for k in keys}
+    out = {
+        f"{prefix}/{k}": float(
+            (max if k.endswith("_max") else statistics.fmean)(float(s[k]) for s in steps if k in s)
+        )
+        for k in keys
+    }
     out[f"{prefix}/optimizer_steps"] = float(len(steps))
     return out
 
@@ -379,6 +391,7 @@ def batch_metrics(shares: Sequence[ShareSummary]) -> dict[str, float]:
         "batch/samples": float(sum(s.samples for s in shares)),
         "batch/weight_version_min": float(min(versions, default=-1)),
         "batch/weight_version_max": float(max(versions, default=-1)),
+        "batch/first_weight_version_min": float(min((s.first_weight_version for s in shares), default=-1)),
         "batch/dp_ranks": float(len(shares)),
         "batch/rank_samples_min": min(per_rank),
         "batch/rank_samples_max": max(per_rank),

@@ -53,6 +53,9 @@ def step_line(step: StepRecord) -> str:
         line += f" len {m['rollout/response_len_mean']:.1f}"
     if "train/loss" in m:
         line += f" loss {m['train/loss']:.4f}"
+    if "async/overlap" in m:
+        line += f" | overlap {m['async/overlap']:.2f} stale {int(m.get('async/staleness', 0))}"
+        line += f" dropped {int(m.get('async/dropped', 0))}"
     return line
 
 

@@ -36,6 +36,8 @@ RUN_FIELDS = frozenset(
         "eps_clip_high",
         "eps_clip_c",
         "flush_cache_interval",
+        "mode",
+        "max_staleness",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "actor_num_nodes",
@@ -44,7 +46,9 @@ RUN_FIELDS = frozenset(
     }
 )
 """Top-level fields only the trainer reads (the DP size they give reaches the rollout manager with
-each request, which refuses one that does not split its batches)."""
+each request, which refuses one that does not split its batches; ``max_staleness`` reaches its async
+producer when the run starts it), and ``mode``, which the rollout manager reads at its start: a run
+may name it only as that (409 otherwise, `runs.check_mode`)."""
 SECTION_FIELDS: dict[str, frozenset[str]] = {
     "trainer": frozenset(TrainerConfig.model_fields) - {"weight_dir"},
     "services": frozenset({"rollout_url"}),

@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vime.clients.base import ServiceCallError, ServiceUnreachable
 from vime.clients.rollout import RolloutClient
 from vime.config import ConfigError, RunConfig
 from vime.service import ServiceError
 from vime.wire.trainer import ACTIVE_STATES, RunRequest, RunState, StepRecord
+from vime_trainer.async_controller import AsyncController
 from vime_trainer.controller import Controller
 from vime_trainer.events import EventLog
 from vime_trainer.megatron.checkpoint import latest_checkpoint
@@ -81,6 +83,25 @@ def first_rollout(cfg: RunConfig, resume: bool) -> int:
     return int(found[1]["next_rollout_id"]) if found else 0
 
 
+async def check_mode(cfg: RunConfig) -> None:
+    """409 when the rollout manager was started for the other loop: ``mode`` reaches it only at its
+    start. A manager that does not answer yet is checked again when the run starts."""
+    client = RolloutClient(cfg.services.url("rollout"), token=cfg.services.token(), timeout=10, retries=0)
+    try:
+        status = await client.engines()
+    except (ServiceUnreachable, ServiceCallError):
+        return
+    finally:
+        await client.aclose()
+    if status.mode != cfg.mode:
+        raise ServiceError(
+            409,
+            f"config.mode: the run asks for mode={cfg.mode}, but the rollout manager was started with "
+            f"mode={status.mode}; restart the stack with mode={cfg.mode} to run it",
+            field="mode",
+        )
+
+
 class RunHandle:
     """One run: its context, controller and task."""
 
@@ -102,7 +123,8 @@ class RunHandle:
             make_sync=lambda b: make_weight_sync(cfg, b, on_event=self.ctx.events.record),
         )
         self.on_step = on_step
-        self.controller = Controller(self.ctx, self.ops, on_step=self._on_step, on_warmup=self._on_warmup)
+        base = Controller(self.ctx, self.ops, on_step=self._on_step, on_warmup=self._on_warmup)
+        self.controller: Controller | AsyncController = AsyncController(base) if cfg.mode == "async" else base
         self.task: asyncio.Task[None] | None = None
 
     def _on_step(self, step: StepRecord) -> None:
@@ -181,6 +203,7 @@ class RunRegistry:
         try:
             cfg = run_config(self.load, request)
             first = first_rollout(cfg, request.resume)
+            await check_mode(cfg)
             try:
                 backend = await asyncio.to_thread(self.backend_factory, cfg)
             except (FileNotFoundError, ValueError) as exc:

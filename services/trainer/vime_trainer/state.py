@@ -43,6 +43,7 @@ class RunContext:
             phase=RunPhase.STARTING,
             num_rollout=cfg.num_rollout,
             started_at=time.time(),
+            mode=cfg.mode,
         )
         self.push_requests: list[asyncio.Future[PushResult]] = []
         self.checkpoint_requests: list[asyncio.Future[CheckpointResult]] = []

@@ -105,6 +105,8 @@ def test_logprobs_only_when_consumed() -> None:
     assert logprobs_wanted(_cfg(), 0) is None
     assert logprobs_wanted(_cfg(use_rollout_logprobs=True), 0) == 0  # the sampled token's only
     assert logprobs_wanted(_cfg(get_mismatch_metrics=True), 5) == 0
+    assert logprobs_wanted(_cfg(use_tis=True, rollout_logprobs_fraction=0.01), 5) == 0  # every group
+    assert logprobs_wanted(_cfg(use_mis=True, rollout_logprobs_fraction=0.01), 7) == 0
     assert logprobs_wanted(_cfg(score_centering_top_k=4), 5) == 5
     picked = [g for g in range(2000) if logprobs_wanted(_cfg(rollout_logprobs_fraction=0.25), g) is not None]
     assert 400 < len(picked) < 600
@@ -241,3 +243,47 @@ def test_a_failed_request_fails_the_rollout(tokenizer: Any) -> None:
     gen.fail_next = [ServiceCallError("POST", "/inference/v1/generate", 400, "prompt too long")]
     with pytest.raises(ServiceCallError, match="prompt too long"):
         _run(_state(cfg, tokenizer, gen, FakeScorer(lambda s: 1)), _source(cfg, tokenizer))
+
+
+class _PushMidRequest(FakeGenerator):
+    """Each reply comes after the engines' version moved on by one (an in-flight weight update)."""
+
+    def __init__(self, version: list[int]) -> None:
+        super().__init__()
+        self.version = version
+
+    async def generate(self, payload: dict[str, Any], *, session_id: str | None = None) -> dict[str, Any]:
+        out = await super().generate(payload, session_id=session_id)
+        self.version[0] += 1
+        return out
+
+
+def test_a_sample_carries_the_versions_of_its_first_and_last_tokens(tokenizer: Any) -> None:
+    cfg = _cfg()
+    version = [4]
+    gen = _PushMidRequest(version)
+    state = _state(cfg, tokenizer, gen, FakeScorer(lambda s: 1))
+    state.weight_version = lambda: version[0]
+    out = asyncio.run(generate(state, Sample(tokens=[1, 2]), None))  # vLLM 0.26: no spans
+    assert (out.first_weight_version, out.weight_version) == ("4", "5")  # sent at v4, replied at v5
+    spans = vllm_reply([31, 32, 33], "stop", False)
+    spans["choices"][0]["weight_versions"] = [
+        {"version": "2", "start": 0, "end": 1},
+        {"version": "3", "start": 1, "end": 3},
+    ]
+    gen.fail_next = [spans]
+    out = asyncio.run(generate(state, Sample(tokens=[1, 2]), None))  # the engine's own spans win
+    assert (out.first_weight_version, out.weight_version) == ("2", "3")
+
+
+def test_an_engine_abort_continues_from_the_partial_output_when_asked(tokenizer: Any) -> None:
+    cfg = _cfg(rollout_max_response_len=6)
+    gen = FakeGenerator()
+    gen.fail_next = [vllm_reply([31, 32], "abort", True), vllm_reply([33, 34], "stop", True)]
+    state = _state(cfg, tokenizer, gen, FakeScorer(lambda s: 1), continue_aborted=True)
+    out = asyncio.run(generate(state, Sample(tokens=[1, 2]), 0))
+    assert out.tokens == [1, 2, 31, 32, 33, 34] and out.rollout_log_probs == [-0.5] * 4
+    second = gen.requests[1][0]
+    assert second["token_ids"] == [1, 2, 31, 32] and second["sampling_params"]["max_tokens"] == 4
+    assert out.status is SampleStatus.COMPLETED and state.counters.engine_aborts_retried == 1
+    assert out.first_weight_version == out.weight_version == "3"

@@ -19,6 +19,7 @@ def test_seed_split_is_reported_per_rank() -> None:
         "batch/samples": 256.0,
         "batch/weight_version_min": 3.0,
         "batch/weight_version_max": 4.0,
+        "batch/first_weight_version_min": 3.0,  # no sample was updated in flight
         "batch/dp_ranks": 4.0,
         "batch/rank_samples_min": 64.0,
         "batch/rank_samples_max": 64.0,

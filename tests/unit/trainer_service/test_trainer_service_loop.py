@@ -376,3 +376,10 @@ async def test_a_run_that_fails_while_training_keeps_the_last_checkpoint() -> No
         await run.go()
     await run.controller.save_after_fault()
     assert run.backend.checkpoints == {}  # the weights may be half-way through rollout 1's step
+
+
+async def test_a_run_in_the_mode_the_rollout_manager_was_not_started_in_fails_at_start() -> None:
+    run = Run("mode=async", "colocate=false")  # the fake manager says mode=sync
+    with pytest.raises(RunError, match="mode=async, but the rollout manager was started with mode=sync"):
+        await run.go()
+    assert "trainer.start" not in run.actions(None)  # refused before any rank started

@@ -86,6 +86,17 @@ async def test_push_without_flush_keeps_requests_and_skips_the_cache_reset() -> 
     assert "reset_prefix_cache" not in [c[0] for c in calls]
 
 
+async def test_an_in_flight_update_keeps_requests_and_still_flushes() -> None:
+    """The async mode's push: requests in flight are frozen (``keep``), not aborted, and the cache
+    reset makes them recompute their KV with the new weights."""
+    engines = FakeEngines(1)
+    sync, _ = _sync(engines, FakeTransport(1))
+    report = await sync.push(_infos(engines), version=4, flush=True, mode="keep")
+    calls = engines.states["http://e0"].calls
+    assert calls[0] == ("pause", {"mode": "keep", "clear_cache": "false"})
+    assert calls[1][0] == "reset_prefix_cache" and report.flushed
+
+
 async def test_cache_reset_is_retried_while_blocks_are_held() -> None:
     engines = FakeEngines(2)
     engines.states["http://e0"].reset_failures = 2

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from vime.types import Sample, SampleStatus
-from vime.wire.vllm import build_sampling_params, parse_generate_response
+from vime.wire.vllm import GenerateResult, build_sampling_params, parse_generate_response
 from vime_rollout.rollout.state import GenerateState
 
 log = logging.getLogger("vime.rollout.generate")
@@ -44,7 +44,7 @@ def request_payload(
     return {"model": state.model_name, "token_ids": list(sample.tokens), "sampling_params": sp}
 
 
-def _version_of(reported: str | None, known: int) -> str:
+def _version_of(reported: Any, known: int) -> str:
     """The engine's own version report when it is a number, else the version we know it holds."""
     if reported is not None:
         try:
@@ -54,19 +54,33 @@ def _version_of(reported: str | None, known: int) -> str:
     return str(known)
 
 
+def _versions(result: GenerateResult, sent_at: int, replied_at: int) -> tuple[str, str]:
+    """(first, last) weight versions of a reply's tokens: the engine's spans where it reports them
+    (0.33, the reference engine), else what the engines held when the request was sent and when
+    its reply came (vLLM 0.26 reports none; a push in between updated it in flight)."""
+    spans = result.weight_versions or []
+    first = _version_of(spans[0].get("version") if spans else None, sent_at)
+    return first, _version_of(result.weight_version, replied_at)
+
+
 async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -> Sample:
     """Generate (the rest of) a sample's response under the semaphore; the sample is changed only by
-    a usable reply (an aborted rollout turns a waiting sample into an aborted one, step 28)."""
-    max_new = sample.remaining_new_tokens(state.sampling.max_new_tokens)
-    if max_new <= 0:
-        sample.status = SampleStatus.TRUNCATED
-        return sample
+    a usable reply (an aborted rollout turns a waiting sample into an aborted one, step 28).
+
+    A request the engine aborted (paused with ``abort`` for a weight update, drained) is sent
+    again: from scratch, its partial output dropped; or, with ``state.continue_aborted`` (the async
+    mode's ``inflight_update: abort``), from where it stopped, its partial output kept.
+    """
     if sample.response_length:
         # A continued partial sample keeps asking for what it already carries (step 25 keeps them in step).
         logprobs = logprobs if sample.rollout_log_probs is not None else None
-    payload = request_payload(state, sample, max_new, logprobs)
     session = sample.session_id if state.send_session_header else None
     for _ in range(MAX_ENGINE_ABORT_RETRIES + 1):
+        max_new = sample.remaining_new_tokens(state.sampling.max_new_tokens)
+        if max_new <= 0:
+            sample.status = SampleStatus.TRUNCATED
+            return sample
+        payload = request_payload(state, sample, max_new, logprobs)
         async with state.semaphore:  # seed step 18: bounds the requests in flight, nothing else
             if state.aborted:
                 sample.status = SampleStatus.ABORTED
@@ -83,9 +97,9 @@ async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -
         state.counters.generated_tokens += len(result.token_ids)
         status = SampleStatus.from_finish_reason(result.finish_reason)
         if status is SampleStatus.ABORTED and not state.aborted:
-            # Aborted by the engine (paused for a weight update, drained): its partial output mixes
-            # weights, so it is dropped and the request sent again.
             state.counters.engine_aborts_retried += 1
+            if state.continue_aborted and result.token_ids:
+                _append(state, sample, result, logprobs, known_version)
             await asyncio.sleep(0.1)
             continue
         break
@@ -95,6 +109,15 @@ async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -
         )
     if status is SampleStatus.FAILED:
         raise RuntimeError(f"sample {sample.index}: engine finished with {result.finish_reason!r}")
+    _append(state, sample, result, logprobs, known_version)
+    sample.status = status
+    return sample
+
+
+def _append(
+    state: GenerateState, sample: Sample, result: GenerateResult, logprobs: int | None, sent_at: int
+) -> None:
+    """A reply's tokens (and log-probs, text, versions) onto the sample (seed step 25)."""
     text = state.tokenizer.decode(result.token_ids, skip_special_tokens=state.sampling.skip_special_tokens)
     meta = result.meta_info()
     meta["engine_weight_version"] = meta.pop("weight_version")
@@ -104,9 +127,10 @@ async def generate(state: GenerateState, sample: Sample, logprobs: int | None) -
         text=text,
         meta_info=meta,
     )
-    sample.weight_version = _version_of(result.weight_version, known_version)
-    sample.status = status
-    return sample
+    first, last = _versions(result, sent_at, state.weight_version())
+    sample.weight_version = last
+    if sample.first_weight_version is None:  # a continued sample keeps its first chunk's
+        sample.first_weight_version = first
 
 
 async def generate_and_rm(state: GenerateState, sample: Sample, logprobs: int | None) -> Sample:

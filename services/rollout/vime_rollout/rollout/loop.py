@@ -82,6 +82,8 @@ async def generate_rollout(
                         f"rollout {rollout_id}: drew {state.counters.groups_submitted} groups but the dynamic "
                         f"filter dropped {state.counters.groups_dropped}; only {len(data)} of {target} kept"
                     )
+                if state.admitted is not None:
+                    await state.admitted()
                 groups = get_samples(over_sampling)
                 _submit(state, pendings, groups)
                 remaining += len(groups)

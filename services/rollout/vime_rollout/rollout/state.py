@@ -74,11 +74,17 @@ def logprobs_wanted(cfg: RunConfig, group_index: int) -> int | None:
     """Log-probs per position to request for a group, or None when nothing consumes them.
 
     They cost about 3× rollout throughput on vLLM (notes/gpu_baselines.md), so they are asked for
-    only for rollout-logprob training, mismatch metrics, score centering, or a seeded
+    only for rollout-logprob training, mismatch metrics, TIS/MIS, score centering, or a seeded
     ``rollout_logprobs_fraction`` of groups kept for monitoring the train/inference mismatch.
     """
     count = logprobs_to_request(cfg.score_centering_top_k)
-    if cfg.use_rollout_logprobs or cfg.get_mismatch_metrics or cfg.score_centering_top_k is not None:
+    if (
+        cfg.use_rollout_logprobs
+        or cfg.get_mismatch_metrics
+        or cfg.use_tis
+        or cfg.use_mis
+        or cfg.score_centering_top_k is not None
+    ):
         return count
     fraction = cfg.rollout_logprobs_fraction
     if fraction >= 1.0:
@@ -117,6 +123,10 @@ class GenerateState:
     weight_version: Callable[[], int]
     evaluation: bool = False
     abort_engines: Callable[[], Awaitable[None]] | None = None
+    continue_aborted: bool = False
+    """A request the engine aborted continues from its partial output instead of starting over."""
+    admitted: Callable[[], Awaitable[None]] | None = None
+    """Awaited before each round of groups starts (the async producer's admission, seed step 44)."""
     semaphore: asyncio.Semaphore = field(init=False)
     aborted: bool = False
     counters: RolloutCounters = field(default_factory=RolloutCounters)

@@ -15,12 +15,13 @@ at temperature 1: it fits the model itself to the labels, not its sampling distr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vime.algorithms import compute_policy_loss, sample_mean_of_token_means
+from vime.algorithms.off_policy import Correction, Weights, importance_weights
 from vime_trainer.megatron.logprobs import response_log_probs
 from vime_trainer.megatron.micro_batch import MicroBatch
 
@@ -47,6 +48,8 @@ class LossSettings:
     """The rollout temperature (> 0): log-probs are of logits / temperature."""
     compile_logprobs: bool = False
     """Run the per-chunk log-prob/entropy computation through torch.compile."""
+    correction: Correction = field(default_factory=Correction)
+    """TIS / MIS on the policy-gradient term (`vime.algorithms.off_policy`)."""
 
     @property
     def schedule_scale(self) -> float:
@@ -75,15 +78,31 @@ def _aggregate(mb: MicroBatch, settings: LossSettings) -> Callable[[torch.Tensor
     return agg
 
 
-def mismatch_counts(train_log_probs: torch.Tensor, mb: MicroBatch) -> Metrics:
-    """Sums behind the train/inference log-prob mismatch (tokens with rollout log-probs only)."""
+def correction_weights(train_log_probs: torch.Tensor, mb: MicroBatch, c: Correction) -> Weights:
+    """TIS / MIS weights of the micro-batch's tokens (tokens with rollout log-probs only)."""
+    valid = mb.has_rollout_log_probs & (mb.loss_mask > 0)
+    sample_index = mb.sample_index
+    if sample_index is None:
+        lengths = torch.as_tensor(mb.response_lengths, device=valid.device)
+        sample_index = torch.repeat_interleave(torch.arange(mb.num_samples, device=valid.device), lengths)
+    return importance_weights(train_log_probs, mb.rollout_log_probs, valid, sample_index, mb.num_samples, c)
+
+
+def mismatch_counts(train_log_probs: torch.Tensor, mb: MicroBatch, w: Weights) -> Metrics:
+    """Sums (and a max) behind the train/inference mismatch metrics (tokens with rollout log-probs
+    only): |Δ log p|, the importance ratio, the tokens TIS would truncate and MIS would drop."""
     sel = mb.has_rollout_log_probs & (mb.loss_mask > 0)
     # A mask, not boolean indexing: indexing would wait for the GPU in every micro-batch.
     diff = torch.where(sel, (train_log_probs.detach() - mb.rollout_log_probs).abs(), 0.0)
+    ratio = torch.where(sel, w.ratio, 0.0)
     return {
         "mismatch_abs_sum": diff.sum(),
         "mismatch_above_count": (diff > MISMATCH_THRESHOLD).sum().to(torch.float32),
         "mismatch_count": sel.sum().to(torch.float32),
+        "mismatch_ratio_sum": ratio.sum(),
+        "mismatch_ratio_max": ratio.max() if ratio.numel() else ratio.new_zeros(()),
+        "mismatch_clip_count": w.clipped.sum().to(torch.float32),
+        "mismatch_mask_count": w.masked.sum().to(torch.float32),
     }
 
 
@@ -98,8 +117,10 @@ def policy_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO-clip loss of one micro-batch; ``old_log_probs`` None reuses current.detach() (seed step 38).
 
-    The train/inference mismatch compares rollout log-probs with ``train_log_probs`` (the
-    recomputed pre-update log-probs) or, when none were recomputed, with the current ones.
+    The train/inference mismatch, and the TIS / MIS weight of each token's policy-gradient loss,
+    compare rollout log-probs with ``train_log_probs`` (the recomputed pre-update log-probs) or,
+    when none were recomputed, with the current ones (detached: before the update they are the
+    same values).
     """
     log_probs, entropy = response_log_probs(
         output_logits,
@@ -117,8 +138,10 @@ def policy_loss(
     pg_loss, clipfrac = compute_policy_loss(
         ppo_kl, mb.advantages, settings.eps_clip, settings.eps_clip_high, settings.eps_clip_c
     )
+    train = log_probs.detach() if train_log_probs is None else train_log_probs
+    weights = correction_weights(train, mb, settings.correction)
     agg = _aggregate(mb, settings)
-    loss = agg(pg_loss)
+    loss = agg(pg_loss * weights.weight)
     metrics: Metrics = {
         "pg_loss": loss.detach(),
         "clipfrac": agg(clipfrac).detach(),
@@ -135,7 +158,7 @@ def policy_loss(
         loss = loss + settings.kl_coef * kl
         metrics["kl_loss"] = kl.detach()
     metrics["loss"] = loss.detach()
-    metrics.update(mismatch_counts(log_probs if train_log_probs is None else train_log_probs, mb))
+    metrics.update(mismatch_counts(train, mb, weights))
     return loss * settings.schedule_scale, metrics
 
 

@@ -81,20 +81,42 @@ class Passes:
         return metrics
 
 
+MAX_SUFFIX = "_max"
+"""Metrics named ``*_max`` are maxima over micro-batches and DP ranks; every other one is a sum."""
+
+
 def reduce_metrics(outputs: list[dict[str, Any]]) -> dict[str, float]:
-    """Sum per-micro-batch metrics and all-reduce them over DP (empty off the last stage)."""
+    """Sum (``*_max``: max) per-micro-batch metrics and all-reduce them over DP (empty off the last
+    stage); the mismatch sums become token means."""
     if not ps.is_pipeline_last_stage():
         return {}
-    keys = sorted(outputs[0]) if outputs else []
-    values = torch.stack([torch.stack([o[k].float() for k in keys]) for o in outputs]).sum(0)
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
-    out = dict(zip(keys, values.tolist(), strict=True))
+    names = sorted(outputs[0]) if outputs else []
+    out: dict[str, float] = {}
+    for is_max in (False, True):
+        keys = [k for k in names if k.endswith(MAX_SUFFIX) == is_max]
+        if not keys:
+            continue
+        stacked = torch.stack([torch.stack([o[k].float() for k in keys]) for o in outputs])
+        values = stacked.amax(0) if is_max else stacked.sum(0)
+        if ps.get_data_parallel_world_size() > 1:
+            op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+            dist.all_reduce(values, op=op, group=ps.get_data_parallel_group())
+        out.update(zip(keys, values.tolist(), strict=True))
+    return _mismatch_means(out)
+
+
+def _mismatch_means(out: dict[str, float]) -> dict[str, float]:
+    """The mismatch sums as means over the tokens with rollout log-probs (absent without any)."""
     count = out.pop("mismatch_count", 0.0)
-    abs_sum = out.pop("mismatch_abs_sum", 0.0)
-    above = out.pop("mismatch_above_count", 0.0)
+    sums = {k: out.pop(k, 0.0) for k in ("mismatch_abs_sum", "mismatch_above_count", "mismatch_ratio_sum")}
+    clipped, masked = out.pop("mismatch_clip_count", 0.0), out.pop("mismatch_mask_count", 0.0)
+    ratio_max = out.pop("mismatch_ratio_max", 0.0)
     if count:
-        out["mismatch_mean_abs"] = abs_sum / count
-        out["mismatch_frac_above"] = above / count
+        out["mismatch_mean_abs"] = sums["mismatch_abs_sum"] / count
+        out["mismatch_frac_above"] = sums["mismatch_above_count"] / count
         out["mismatch_tokens"] = count
+        out["mismatch_ratio_mean"] = sums["mismatch_ratio_sum"] / count
+        out["mismatch_ratio_max"] = ratio_max
+        out["mismatch_tis_clipfrac"] = clipped / count
+        out["mismatch_mis_maskfrac"] = masked / count
     return out

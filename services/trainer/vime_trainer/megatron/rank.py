@@ -65,6 +65,8 @@ class TrainRank:
             c.trainer.seed,
             cpu_threads=1,  # CPU ranks are for tests and demos on small shared machines
         )
+        if c.trainer.gpu_memory_utilization is not None and self.info.device.startswith("cuda"):
+            torch.cuda.set_per_process_memory_fraction(c.trainer.gpu_memory_utilization, self.info.device)
         model = model_lib.build_model(self.arch, c.trainer, self.info)
         model_lib.load_hf_weights(model, self.arch, self.hf_checkpoint, self.info)
         self.dtype = model_lib.params_dtype(c.trainer, self.info.device.startswith("cuda"))

@@ -20,6 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from vime.algorithms import can_reuse_log_probs_in_loss
+from vime.algorithms.off_policy import Correction
 from vime.batch import RankBatch
 from vime.config import RunConfig
 from vime_trainer.megatron.loss import LossSettings, forward_log_probs, policy_loss, sft_loss
@@ -70,6 +71,7 @@ class TrainStep:
             chunk_size=c.trainer.logprob_chunk_size,
             temperature=c.rollout_temperature,
             compile_logprobs=c.trainer.compile_logprobs,
+            correction=Correction.of(c),
         )
 
     def log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:

@@ -45,6 +45,7 @@ from vime_trainer.weight_sync.protocol import (
     WeightSync,
     WeightSyncError,
     _fan_out,
+    pause_mode,
 )
 
 log = logging.getLogger("vime.trainer.weights")
@@ -185,7 +186,9 @@ class DirectSync(WeightSync):
     def weight_load(self) -> str:
         return "vllm" if self.refused is not None else "direct"
 
-    async def push(self, engines: Sequence[EngineInfo], version: int, flush: bool) -> PushReport:
+    async def push(
+        self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode | None = None
+    ) -> PushReport:
         if engines and self.refused is None:
             try:
                 await self.prepare(engines)
@@ -194,8 +197,8 @@ class DirectSync(WeightSync):
                 log.warning("engine.weight_load=direct refused, using vLLM's loader for this run: %s", exc)
                 self.on_event("weights.direct_refused", reason=self.refused)
         if self.refused is not None:
-            return await self.fallback.push(engines, version, flush)
-        return await self._push_direct(engines, version, flush)
+            return await self.fallback.push(engines, version, flush, mode)
+        return await self._push_direct(engines, version, flush, mode or pause_mode(flush))
 
     # --- once per engine start -------------------------------------------------------------------
     async def prepare(self, engines: Sequence[EngineInfo]) -> None:
@@ -274,12 +277,13 @@ class DirectSync(WeightSync):
         return out
 
     # --- every push --------------------------------------------------------------------------------
-    async def _push_direct(self, engines: Sequence[EngineInfo], version: int, flush: bool) -> PushReport:
+    async def _push_direct(
+        self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode
+    ) -> PushReport:
         report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
         clients = {e.url: self.client_factory(e.url) for e in engines}
         start = time.perf_counter()
         try:
-            mode: PauseMode = "abort" if flush else "keep"
             await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
             if flush:
                 await self._phase(report, "flush", clients, self._reset_prefix_cache)

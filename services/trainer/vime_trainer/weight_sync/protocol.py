@@ -1,8 +1,10 @@
 """vLLM's four-phase weight update, driven on every engine at once (seed steps 46–52).
 
 46 pause: ``abort`` when this version flushes (in-flight requests die, new ones wait), else
-   ``keep`` (frozen in place); then, when flushing, ``/reset_prefix_cache`` with running requests
-   reset — retried once a second, up to 60 times, while blocks are still held;
+   ``keep`` (frozen in place) — or the mode the caller names (the async mode's in-flight update
+   pauses with ``keep`` and flushes: the kept requests recompute their KV cache with the new
+   weights); then, when flushing, ``/reset_prefix_cache`` with running requests reset — retried
+   once a second, up to 60 times, while blocks are still held;
 47 ``/start_weight_update`` (after ``/init_weight_transfer_engine`` when the transport has an
    init body: IPC sends ``{}``, as vLLM's helper does; a no-op in 0.26);
 48–50 one ``/update_weights`` per bucket, the same bucket to every engine concurrently; the
@@ -66,6 +68,11 @@ def no_event(action: str, **detail: Any) -> None:
     return None
 
 
+def pause_mode(flush: bool) -> PauseMode:
+    """Seed step 46: ``abort`` when the push flushes the cache, else ``keep``."""
+    return "abort" if flush else "keep"
+
+
 class WeightSync:
     """Pushes a transport's buckets to a set of engines with vLLM's update protocol."""
 
@@ -84,16 +91,21 @@ class WeightSync:
         self.reset_interval_s = reset_interval_s
         self.client_factory = client_factory or (lambda url: EngineClient(url, timeout=UPDATE_TIMEOUT_S))
 
-    async def push(self, engines: Sequence[EngineInfo], version: int, flush: bool) -> PushReport:
-        """Seed steps 46–52 on ``engines``; returns what was sent."""
+    async def push(
+        self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode | None = None
+    ) -> PushReport:
+        """Seed steps 46–52 on ``engines``, pausing with ``mode`` (None: `pause_mode`); returns what
+        was sent."""
         report = PushReport(version, flush, [e.url for e in engines])
         if not engines:
             return report
         clients = {e.url: self.client_factory(e.url) for e in engines}
         start = time.perf_counter()
         try:
-            mode: PauseMode = "abort" if flush else "keep"
-            await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
+            pause = mode or pause_mode(flush)
+            await self._phase(
+                report, "pause", clients, lambda c: c.pause(pause, clear_cache=False), mode=pause
+            )
             if flush:
                 await self._phase(report, "flush", clients, self._reset_prefix_cache)
             init_info = getattr(self.transport, "init_info", None)
