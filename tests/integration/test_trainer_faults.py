@@ -12,6 +12,7 @@ rollout 2 moved to metrics.superseded.jsonl), and the summary counts 6 steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import shlex
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +40,16 @@ SIGTERM_ANSWER_S = 30
 RESUME = re.compile(r"resume from the checkpoint of rollout (\d+):\s+(vime train .*--resume \S+)")
 
 
-def _trainer_pid(child: procs.Child) -> int:
+def _service_pid(child: procs.Child, module: str) -> int:
     found = [
-        pid
-        for pid, cmd in descendants(child.pid).items()
-        if "vime_trainer" in cmd and parent_pid(pid) == child.pid
+        pid for pid, cmd in descendants(child.pid).items() if module in cmd and parent_pid(pid) == child.pid
     ]
     assert len(found) == 1, found
     return found[0]
+
+
+def _trainer_pid(child: procs.Child) -> int:
+    return _service_pid(child, "vime_trainer")
 
 
 def _status(cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -69,6 +73,36 @@ def _inside_rollout(child: procs.Child, cfg: dict[str, Any], rollout_id: int) ->
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def _held_in_rollout(child: procs.Child, cfg: dict[str, Any], rollout_id: int) -> Iterator[None]:
+    """Inside rollout ``rollout_id`` with its rewards held back: the reward service is stopped
+    (SIGSTOP) as soon as the rollout is seen, so a fault aimed at the rollout cannot land in the
+    training after it (a rollout of the nano stack takes about a second). Checked: the rollout is
+    still under way with the rewards held. The reward service continues when the block ends."""
+    deadline = time.monotonic() + STARTUP_S + LEG_S
+    reward: int | None = None
+    while True:
+        assert child.alive(), child.log_tail(60)
+        assert time.monotonic() < deadline, f"never inside rollout {rollout_id}:\n{child.log_tail(60)}"
+        s = _status(cfg)
+        if s is not None and reward is None:
+            reward = _service_pid(child, "vime_reward")  # the trainer answers: every service is up
+        if s is not None and s["rollout_id"] == rollout_id and s["phase"] == "rollout":
+            break
+        time.sleep(0.01)
+    assert reward is not None
+    os.kill(reward, signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        s = _status(cfg)
+        assert s is not None and (s["rollout_id"], s["phase"]) == (rollout_id, "rollout"), (
+            f"rollout {rollout_id} ended before its rewards were held: {s}"
+        )
+        yield
+    finally:
+        os.kill(reward, signal.SIGCONT)
+
+
 def _resume_command(log: str) -> tuple[int, list[str]]:
     found = RESUME.findall(log)
     assert found, log[-3000:]
@@ -87,7 +121,7 @@ def test_a_killed_trainer_gives_the_resume_command_and_the_resumed_run_trains_no
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     models = tmp_path_factory.getbasetemp() / "models"
-    cfg = stack_config(tmp_path, num_rollout=6, save_interval=2)
+    cfg = stack_config(tmp_path, num_rollout=6, save_interval=2, rollout_max_response_len=16)
     config = write_config(tmp_path, cfg)
     mark = uuid.uuid4().hex
     run_dir = Path(cfg["output_dir"]) / cfg["run_id"]
@@ -113,10 +147,10 @@ def test_a_killed_trainer_gives_the_resume_command_and_the_resumed_run_trains_no
 
     leg2 = _leg(tmp_path, 2, ["train", *args], mark, models)
     try:
-        _inside_rollout(leg2, cfg, 3)
-        trainer = _trainer_pid(leg2)
-        os.kill(trainer, signal.SIGTERM)  # the process alone, as a service manager would
-        t0 = time.monotonic()
+        with _held_in_rollout(leg2, cfg, 3):
+            trainer = _trainer_pid(leg2)
+            os.kill(trainer, signal.SIGTERM)  # the process alone, as a service manager would
+            t0 = time.monotonic()
         while procs.port_open("127.0.0.1", cfg["services"]["trainer_port"]) or _alive(trainer):
             assert time.monotonic() - t0 < SIGTERM_ANSWER_S, leg2.log_tail(60)
             time.sleep(0.2)
@@ -127,7 +161,7 @@ def test_a_killed_trainer_gives_the_resume_command_and_the_resumed_run_trains_no
     log2 = leg2.log_path.read_text()  # type: ignore[union-attr]
     assert "trainer exited with code" in log2 and "during the run" in log2, log2[-3000:]
     checkpoint, again = _resume_command(log2)
-    assert checkpoint == 2 and again == args  # the last finished step, written on the way out
+    assert checkpoint == 2 and again == args, log2[-3000:]  # the last finished step, written on the way out
     state = json.loads((ckpt / "rollout_0000002" / "vime_state.json").read_text())
     assert state["next_rollout_id"] == 3
 
