@@ -96,6 +96,8 @@ class RolloutManager:
         self.generator = generator
         self.scorer = scorer
         self.data = train_data
+        self.state_before_rollout: dict[str, Any] | None = None
+        """The data source's position when the training rollout under way began."""
         self.eval_data = eval_data
         self.sink = sink
         self.sft_sink = sft_sink
@@ -184,19 +186,20 @@ class RolloutManager:
     async def run_preview(self, job: RolloutJob) -> None:
         """A training rollout whose samples come back in the job: nothing is published, and the data
         source's position is restored, so a run started later sees the same prompts as if it never ran."""
-        snapshot = self.data.state_dict()
+        snapshot = self.state_before_rollout = self.data.state_dict()
         try:
             out, metrics = await self.generate(job)
             job.samples = await asyncio.to_thread(preview_samples, self.cfg, out.groups)
         finally:
             self.data.load_state_dict(snapshot)
+            self.state_before_rollout = None
         job.num_samples, job.metrics = len(job.samples), metrics
         log.info("rollout %d previewed: %d samples, %.1fs", job.rollout_id, job.num_samples, out.wall_s)
 
     async def run_training(self, job: RolloutJob, dp_size: int) -> None:
         """Seed steps 15–31 for rollout ``job.rollout_id``, then publish the batch."""
         cfg = self.cfg
-        snapshot = self.data.state_dict()
+        snapshot = self.state_before_rollout = self.data.state_dict()
         job.dp_size = dp_size
         try:
             out, metrics = await self.generate(job)
@@ -224,6 +227,8 @@ class RolloutManager:
         except BaseException:
             self.data.load_state_dict(snapshot)
             raise
+        finally:
+            self.state_before_rollout = None
         job.batch_id, job.entry_id = published.batch_id, published.entry_id
         job.num_samples = built.batch.num_samples
         job.metrics = {**built.batch.metrics, "rollout/t_build_s": t1 - t0, "rollout/t_publish_s": t2 - t1}
@@ -282,10 +287,13 @@ class RolloutManager:
 
     # --- data-source state -------------------------------------------------------------------------
     def data_state(self) -> dict[str, Any]:
-        """The position after the last batch published: once the async producer has started, its
-        own record of it (its rollout under way excluded), with its next rollout id."""
+        """The position after the last batch published, a rollout under way excluded (a checkpoint
+        saved during it resumes with that rollout's prompts); once the async producer has started,
+        its own record of it, with its next rollout id."""
         if self.producer.published_state is not None:
             return self.producer.published_state
+        if self.state_before_rollout is not None:
+            return self.state_before_rollout
         return self.data.state_dict()
 
     def set_data_state(self, state: dict[str, Any]) -> None:

@@ -277,6 +277,29 @@ def test_data_state_round_trip_and_mismatch(client: Any) -> None:
     assert c.get("/v1/data-source/state").json()["state"]["offset"] == 7  # unchanged
 
 
+def test_the_data_state_leaves_out_the_rollout_under_way(client: Any) -> None:
+    """A checkpoint saved during a rollout (the trainer's save after a fault) resumes with that
+    rollout's prompts: the state it reads is the one from before the rollout drew them."""
+    c, _, gen = client
+    before = c.get("/v1/data-source/state").json()["state"]
+    gen.hold_after = 0  # every request hangs until aborted
+    r = c.post("/v1/rollouts", json={"rollout_id": 0, "wait": False}, headers=AUTH)
+    assert r.status_code == 202 and r.json()["state"] == "running"
+    poll_until_blocking(
+        lambda: gen.in_flight > 0, timeout_s=10, interval_s=0.02, what="the rollout's generates"
+    )
+    assert c.get("/v1/data-source/state").json()["state"] == before
+    gen.hold_after = None
+    gen.abort_event.set()
+    poll_until_blocking(
+        lambda: c.get(f"/v1/rollouts/{r.json()['job_id']}").json()["state"] != "running",
+        timeout_s=20,
+        interval_s=0.05,
+        what="the rollout job ended",
+    )
+    assert c.get("/v1/data-source/state").json()["state"] == before
+
+
 def test_sft_batches_need_the_token_labels_that_are_text_and_redis(client: Any, tokenizer: Any) -> None:
     c, _, _ = client
     assert c.post("/v1/sft-batches", json={"step": 0}).status_code == 401
