@@ -218,12 +218,6 @@ class TrainerConfig(Section):
     its activations: less memory, about a third more compute."""
     grad_reduce_in_fp32: bool = True
     """Accumulate and all-reduce gradients in fp32; False keeps them in the parameter dtype (bf16)."""
-    fused_adam: bool = False
-    """Run Megatron's Adam step as torch's fused AdamW kernel instead of its multi-tensor loop."""
-    compile_logprobs: bool = False
-    """torch.compile the per-chunk log-prob/entropy computation over the vocabulary."""
-    compile_layers: bool = False
-    """torch.compile each transformer layer's MLP and norms (fuses SwiGLU and RMSNorm)."""
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """Most of each GPU a training rank may allocate (torch's per-process memory fraction); None:
     no cap. The async mode on shared GPUs needs it, with engine.gpu_memory_utilization, at most 1."""

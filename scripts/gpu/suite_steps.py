@@ -48,24 +48,21 @@ def _variants(variants: list[str]) -> list[str]:
 
 _PACKED = "trainer.packed_sequences=true"
 TRAIN_VARIANTS_06B = [
-    "padded",  # today's path: right-padded micro-batches of 4 samples
+    "padded",  # right-padded micro-batches of 4 samples
     f"packed {_PACKED}",
     f"budget16k {_PACKED} max_tokens_per_gpu=16384",
     f"budget32k {_PACKED} max_tokens_per_gpu=32768",
-    f"budget16k_fused {_PACKED} max_tokens_per_gpu=16384 trainer.fused_adam=true",
-    f"budget16k_clayers {_PACKED} max_tokens_per_gpu=16384 trainer.compile_layers=true",
 ]
-"""Bench variants of the step (bench/train_step.py ``--variant``): one change each from budget16k."""
+"""Bench variants of the step (bench/train_step.py ``--variant``)."""
 TRAIN_VARIANTS_4B = [
-    "padded_fused trainer.fused_adam=true",  # the first session: padded 24.8 % MFU, 5.7 s of 6.5 in the optimizer
-    f"budget8k_fused {_PACKED} max_tokens_per_gpu=8192 trainer.fused_adam=true",  # 16k ran out of memory
+    "padded",
+    f"budget8k {_PACKED} max_tokens_per_gpu=8192",  # 16k ran out of memory
 ]
 TRAIN_VARIANTS_CPU = [
     "padded",
     f"packed {_PACKED}",
     f"budget {_PACKED} max_tokens_per_gpu=160",
-    f"budget_fused_recompute {_PACKED} max_tokens_per_gpu=160 trainer.fused_adam=true"
-    " trainer.recompute_activations=true",
+    f"budget_recompute {_PACKED} max_tokens_per_gpu=160 trainer.recompute_activations=true",
 ]
 
 
@@ -124,7 +121,7 @@ STEPS: dict[str, Step] = {
             "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts, one run with engine.weight_load=direct then one with vllm",
             _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
             + _args("--rollouts 2 --weight-loads direct vllm")
-            + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768 --set trainer.fused_adam=true"),
+            + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768"),
             _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
             + _args("--rollouts 2 --weight-loads direct vllm"),
             timeout_s=480,
@@ -175,7 +172,7 @@ STEPS: dict[str, Step] = {
             "Megatron train step variants, Qwen3-4B shape, uneven lengths, profiled (MFU)",
             _args("bench/train_step.py --shape 4b --gpus 1 --samples 48 --prompt-len 200 --response-len 824")
             + _args("--lengths capped --micro-batch 2 --steps 2 --skip-baseline --profile")
-            + _args("--profile-variants budget8k_fused")
+            + _args("--profile-variants budget8k")
             + _variants(TRAIN_VARIANTS_4B),
             _args("bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 1")
             + _args("--lengths capped --skip-baseline --profile")

@@ -80,7 +80,7 @@ def test_token_budget_micro_batches_give_the_fixed_split_gradients(
 @pytest.mark.parametrize(
     ("tp", "pp"), [pytest.param(1, 1, id="dp2"), pytest.param(2, 1, id="tp2"), pytest.param(1, 2, id="pp2")]
 )
-def test_packed_budget_steps_with_recompute_and_fused_adam_train_like_hf(
+def test_packed_budget_steps_with_recompute_train_like_hf(
     ray_cluster: None, qwen3: Path, tmp_path: Path, tp: int, pp: int, publish: Publisher
 ) -> None:
     """Two ranks (DP, TP or PP), packed token-budget micro-batches: loss, grad norm, entropy of HF + AdamW."""
@@ -89,7 +89,6 @@ def test_packed_budget_steps_with_recompute_and_fused_adam_train_like_hf(
         "clip_grad": 0.5,
         "packed_sequences": True,
         "recompute_activations": True,
-        "fused_adam": True,
     }
     cfg = run_config(tmp_path, tp=tp, pp=pp, ranks=2, max_tokens_per_gpu=24, trainer=trainer)
     batch = rollout_batch(cfg, 0, ADVANTAGES)

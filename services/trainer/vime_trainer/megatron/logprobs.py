@@ -21,7 +21,6 @@ truncated distribution, and the mismatch metric shows the renormalisation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -72,11 +71,6 @@ def token_stats(
         return log_probs, log_norm - weighted / sum_exp
 
 
-@cache
-def _compiled_token_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    return torch.compile(token_stats, dynamic=True)
-
-
 def response_log_probs(
     output_logits: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
@@ -87,25 +81,22 @@ def response_log_probs(
     *,
     temperature: float,
     entropy_grad: bool = True,
-    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[R]`` of the response tokens of a micro-batch, at ``temperature``.
 
     ``hidden`` is the last stage's hidden states (``[s, b, h]``, or ``[T, 1, h]`` packed);
     ``index`` holds, for each response token, the flat index of the hidden state that predicts it,
-    and ``targets`` the token ids. ``entropy_grad`` False computes the entropy as a metric only;
-    ``compiled`` runs `token_stats` through ``torch.compile``.
+    and ``targets`` the token ids. ``entropy_grad`` False computes the entropy as a metric only.
     """
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: log-probs of logits / T need T > 0 (T = 0 is greedy)")
     flat = hidden.reshape(-1, hidden.shape[-1])
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
-    stats = _compiled_token_stats() if compiled else token_stats
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with record_function(LOGPROBS_RANGE):
             logits = output_logits(h.unsqueeze(1)).squeeze(1)
-            return stats(logits, t, with_entropy, temperature, entropy_grad)
+            return token_stats(logits, t, with_entropy, temperature, entropy_grad)
 
     log_probs, entropies = [], []
     for start in range(0, index.numel(), chunk_size):

@@ -46,8 +46,6 @@ class LossSettings:
     chunk_size: int
     temperature: float
     """The rollout temperature (> 0): log-probs are of logits / temperature."""
-    compile_logprobs: bool = False
-    """Run the per-chunk log-prob/entropy computation through torch.compile."""
     correction: Correction = field(default_factory=Correction)
     """TIS / MIS on the policy-gradient term (`vime.algorithms.off_policy`)."""
 
@@ -131,7 +129,6 @@ def policy_loss(
         with_entropy=True,
         temperature=settings.temperature,
         entropy_grad=bool(settings.entropy_coef),
-        compiled=settings.compile_logprobs,
     )
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     ppo_kl = old - log_probs
@@ -176,7 +173,6 @@ def sft_loss(
         mb.targets,
         settings.chunk_size,
         temperature=1.0,
-        compiled=settings.compile_logprobs,
     )
     loss = _aggregate(mb, settings)(-log_probs)
     return loss * settings.schedule_scale, {"loss": loss.detach(), "tokens": mb.loss_mask.sum().detach()}
@@ -188,10 +184,9 @@ def forward_log_probs(
     mb: MicroBatch,
     chunk_size: int,
     temperature: float,
-    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """No-grad log-probs of one micro-batch (old or reference log-probs) at ``temperature``, as data."""
     log_probs, _ = response_log_probs(
-        output_logits, hidden, mb.index, mb.targets, chunk_size, temperature=temperature, compiled=compiled
+        output_logits, hidden, mb.index, mb.targets, chunk_size, temperature=temperature
     )
     return hidden.new_zeros(()), {"log_probs": log_probs.detach()}

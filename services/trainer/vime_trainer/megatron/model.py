@@ -126,18 +126,6 @@ def layer_spec(arch: Architecture, use_sdpa: bool, packed_kernel: str = "segment
     return spec
 
 
-def compile_layers(model: PolicyModel) -> None:
-    """``torch.compile`` each layer's MLP and norms in place (fuses SwiGLU and RMSNorm's elementwise work)."""
-    for layer in model.decoder.layers:
-        layer.mlp.compile()
-        for name in ("input_layernorm", "pre_mlp_layernorm"):
-            getattr(layer, name).compile()
-        for name in ("q_layernorm", "k_layernorm"):
-            norm = getattr(layer.self_attention, name, None)
-            if norm is not None:
-                norm.compile()
-
-
 def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> PolicyModel:
     """This rank's model shard on its device (weights uninitialised until loaded)."""
     from vime_trainer.megatron.sdpa import resolve_packed_kernel
@@ -160,8 +148,6 @@ def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> P
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     one_param_dtype(model.to(info.device), dtype)  # in place
-    if trainer.compile_layers:
-        compile_layers(model)
     return model
 
 

@@ -42,8 +42,9 @@ def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig, dtype:
     """Megatron Adam over the DDP model's parameters, with grad-norm clipping at ``trainer.clip_grad``.
 
     Without TransformerEngine or Apex, Megatron's Adam is ``torch.optim.AdamW`` with its default
-    multi-tensor (foreach) step; ``trainer.fused_adam`` switches its parameter groups to torch's
-    fused kernel before the first step creates any state.
+    multi-tensor (foreach) step; its parameter groups are switched to torch's fused kernel before
+    the first step creates any state (the 4B shape on one H200: the optimizer's 5.7 s of a profiled
+    step became 0.07 s).
     """
     config = OptimizerConfig(
         optimizer="adam",
@@ -58,8 +59,7 @@ def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig, dtype:
         use_distributed_optimizer=False,
     )
     optimizer = get_megatron_optimizer(config, [ddp])
-    if trainer.fused_adam:
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            for group in inner.optimizer.param_groups:
-                group["fused"], group["foreach"] = True, False
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
     return optimizer

@@ -70,7 +70,6 @@ class TrainStep:
             dp_size=self.dp_size,
             chunk_size=c.trainer.logprob_chunk_size,
             temperature=c.rollout_temperature,
-            compile_logprobs=c.trainer.compile_logprobs,
             correction=Correction.of(c),
         )
 
@@ -85,7 +84,6 @@ class TrainStep:
                 mb,
                 t.logprob_chunk_size,
                 temperature,
-                t.compile_logprobs,
             ),
         )
         return [o["log_probs"] for o in outputs]
