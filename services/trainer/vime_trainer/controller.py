@@ -46,7 +46,11 @@ class Controller:
         self.on_step, self.on_warmup = on_step, on_warmup
         self.saved_rollout: int | None = None
         """The rollout id of the newest checkpoint this run wrote."""
+        self.saved_version = 0
+        """The weight version that checkpoint is published as."""
         self.last_done: int | None = None
+        self.trained: tuple[int, StepClock, dict[str, float]] | None = None
+        """The step trained but not yet recorded (its rollout id, clock and metrics so far)."""
         self.resumed: dict[str, Any] | None = None
         """The run state of the checkpoint this run resumed from (None: a fresh start)."""
         self.push_mode: PauseMode | None = None
@@ -71,6 +75,7 @@ class Controller:
             with clock.phase("train"):  # 37–40
                 await self.ops.trainer_wake_up()  # 37
                 metrics = await self.ops.train(rollout_id, job)
+            self.trained = (rollout_id, clock, {**job.metrics, **metrics})
             with clock.phase("save"):  # save_interval, the last rollout, a stop or a request
                 await self.maybe_save(rollout_id)
             with clock.phase("train"):
@@ -160,7 +165,7 @@ class Controller:
     async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:
         self.ctx.set_phase(RunPhase.SAVE)
         result = await self.ops.save(rollout_id, weight_version)
-        self.saved_rollout = rollout_id
+        self.saved_rollout, self.saved_version = rollout_id, weight_version
         for fut in self.ctx.checkpoint_requests:
             if not fut.done():
                 fut.set_result(result)
@@ -189,15 +194,17 @@ class Controller:
                     fut.set_result(result)
         self.ctx.push_requests.clear()
 
-    def step_done(self, rollout_id: int, clock: StepClock, metrics: dict[str, float]) -> None:
+    def step_done(
+        self, rollout_id: int, clock: StepClock, metrics: dict[str, float], weight_version: int | None = None
+    ) -> None:
         step = StepRecord(
             rollout_id=rollout_id,
-            weight_version=self.ops.version,
+            weight_version=self.ops.version if weight_version is None else weight_version,
             timings=clock.timings(),
             metrics=metrics,
             finished_at=time.time(),
         )
-        self.last_done = rollout_id
+        self.last_done, self.trained = rollout_id, None
         self.ctx.step_done(step)
         self.ctx.events.record("step.done", step_s=round(step.timings.step_s, 4))
         self.on_step(step)
@@ -224,7 +231,13 @@ class Controller:
         """A run that failed or was cancelled between two steps — in a rollout or the offload after
         it, where the trainer's weights are still those of the last finished step — checkpoints
         that step, so a resume loses nothing it trained. Anywhere else (training, a save, a push)
-        the weights may be half-way between two steps, and the last checkpoint stays the newest."""
+        the weights may be half-way between two steps, and the last checkpoint stays the newest.
+        A step checkpointed but not yet recorded (a fault between its save and its end) is recorded
+        now with the metrics it had: a resume starts after it."""
+        if self.trained is not None and self.trained[0] == self.saved_rollout:
+            rollout_id, clock, metrics = self.trained
+            self.step_done(rollout_id, clock, metrics, weight_version=self.saved_version)
+            return
         if self.ctx.status.phase not in (RunPhase.ROLLOUT, RunPhase.OFFLOAD):
             return
         try:

@@ -363,6 +363,29 @@ async def test_a_run_that_fails_inside_a_rollout_checkpoints_its_last_step() -> 
     assert run.backend.calls.count("save 1") == 1
 
 
+async def test_a_step_that_fails_after_its_checkpoint_is_recorded_once() -> None:
+    """A fault between a step's save and its end (here the push after it): the checkpoint is of
+    that step, so a resume starts after it, and the step is recorded with the metrics it had."""
+    run = Run("num_rollout=4", "save_interval=2")
+    orig = run.ops.update_weights
+
+    async def update_weights(version: int, *args: Any, **kw: Any) -> Any:
+        if run.controller.saved_rollout == 1 and run.controller.trained is not None:
+            raise RuntimeError("the engine is gone")
+        return await orig(version, *args, **kw)
+
+    run.ops.update_weights = update_weights  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="gone"):
+        await run.go()
+    assert [s.rollout_id for s in run.steps] == [0]
+    await run.controller.save_after_fault()
+    assert [s.rollout_id for s in run.steps] == [0, 1]
+    assert run.steps[1].weight_version == run.backend.checkpoints[1]["run_state"]["weight_version"] == 3
+    assert run.steps[1].metrics and set(run.steps[1].metrics) < set(run.steps[0].metrics)  # no push metrics
+    await run.controller.save_after_fault()
+    assert [s.rollout_id for s in run.steps] == [0, 1]  # once
+
+
 async def test_a_run_that_fails_while_training_keeps_the_last_checkpoint() -> None:
     backend = FakeBackend()
 
