@@ -44,11 +44,10 @@ from vime.wire.trainer import STEP_PHASES
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def stack(
-    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    tp = request.param
+@pytest.fixture(scope="module")
+def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Trainer ranks at TP=2 (the one-rank loop runs in the launcher, fault and async tests)."""
+    tp = 2
     st = start_stack(
         tmp_path_factory.mktemp(f"trainer-it-tp{tp}"),
         redis_url,
