@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_cli_support import leftovers, parent_pid, stack_config, start_vime, stop_vime, write_config
+from test_cli_support import TOKEN, leftovers, parent_pid, stack_config, start_vime, stop_vime, write_config
 
 from vime import procs
 from vime.launch.orphans import descendants
@@ -73,34 +73,55 @@ def _inside_rollout(child: procs.Child, cfg: dict[str, Any], rollout_id: int) ->
         time.sleep(0.02)
 
 
+def _events(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    path = Path(cfg["output_dir"]) / cfg["run_id"] / "events.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(x) for x in lines if x.endswith("}")]  # a line being written is skipped
+
+
+def _engine_pid(cfg: dict[str, Any]) -> int:
+    url = f"http://127.0.0.1:{cfg['services']['rollout_port']}/v1/engines"
+    engines = httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()["engines"]
+    assert len(engines) == 1, engines
+    return int(engines[0]["pid"])
+
+
 @contextlib.contextmanager
 def _held_in_rollout(child: procs.Child, cfg: dict[str, Any], rollout_id: int) -> Iterator[None]:
-    """Inside rollout ``rollout_id`` with its rewards held back: the reward service is stopped
-    (SIGSTOP) as soon as the rollout is seen, so a fault aimed at the rollout cannot land in the
-    training after it (a rollout of the nano stack takes about a second). Checked: the rollout is
-    still under way with the rewards held. The reward service continues when the block ends."""
+    """Inside rollout ``rollout_id`` of a resumed leg, held there: the engine is stopped (SIGSTOP)
+    as soon as the run's events show the step before it done, so the rollout cannot end before
+    the block does (a rollout of the nano stack takes under a second, and its rewards need no
+    reward service: a fault aimed at it by polling the run's phase landed in the training after
+    it on a slow machine). The events file is read, not the REST status: it is written as things
+    happen. The engine continues when the block ends."""
     deadline = time.monotonic() + STARTUP_S + LEG_S
-    reward: int | None = None
+    engine: int | None = None
     while True:
         assert child.alive(), child.log_tail(60)
-        assert time.monotonic() < deadline, f"never inside rollout {rollout_id}:\n{child.log_tail(60)}"
-        s = _status(cfg)
-        if s is not None and reward is None:
-            reward = _service_pid(child, "vime_reward")  # the trainer answers: every service is up
-        if s is not None and s["rollout_id"] == rollout_id and s["phase"] == "rollout":
+        assert time.monotonic() < deadline, f"rollout {rollout_id - 1} never ended:\n{child.log_tail(60)}"
+        events = _events(cfg)
+        resumed = [k for k, e in enumerate(events) if e["action"] == "run.resume"]  # this leg's start
+        if resumed and engine is None:
+            engine = _engine_pid(cfg)  # the stack is up
+        if resumed and any(
+            e["action"] == "step.done" and e["rollout_id"] == rollout_id - 1 for e in events[resumed[-1] :]
+        ):
             break
-        time.sleep(0.01)
-    assert reward is not None
-    os.kill(reward, signal.SIGSTOP)
+        time.sleep(0.005)
+    assert engine is not None
+    os.kill(engine, signal.SIGSTOP)
     try:
-        time.sleep(0.5)
+        _inside_rollout(child, cfg, rollout_id)
+        time.sleep(0.5)  # its generates are under way, waiting for the engine
         s = _status(cfg)
-        assert s is not None and (s["rollout_id"], s["phase"]) == (rollout_id, "rollout"), (
-            f"rollout {rollout_id} ended before its rewards were held: {s}"
-        )
+        assert s is not None and (s["rollout_id"], s["phase"]) == (rollout_id, "rollout"), s
+        assert not any(e["action"] == "rollout.done" and e["rollout_id"] == rollout_id for e in _events(cfg))
         yield
     finally:
-        os.kill(reward, signal.SIGCONT)
+        os.kill(engine, signal.SIGCONT)
 
 
 def _resume_command(log: str) -> tuple[int, list[str]]:
