@@ -116,9 +116,9 @@ def test_a_batch_nobody_acked_survives_redis_dying(stack: Stack) -> None:
     consumer; then Redis is SIGKILLed (no shutdown save: only the AOF on the volume can keep it)
     and brought back with `up`."""
     rollout = "http://rollout:18083"
-    for path in ("/v1/admission/resume", "/v1/engines/onload"):
-        status, body = stack.call(rollout + path, "POST", {})
-        assert status == 200, body
+    for path, body in (("/v1/admission/resume", {"was_paused": False}), ("/v1/engines/onload", {})):
+        status, reply = stack.call(rollout + path, "POST", body)
+        assert status == 200, reply
     status, job = stack.call(f"{rollout}/v1/rollouts", "POST", {"rollout_id": 900})
     assert status == 200 and job["batch_id"] and job["entry_id"], job
     stream, entry, batch_id = stream_key(job["run_id"]), job["entry_id"], job["batch_id"]
