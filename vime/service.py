@@ -233,11 +233,11 @@ them; a waiting ``POST /v1/weights/push`` would otherwise hold a trainer's stop 
 waits), so a service answers SIGTERM within seconds."""
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """Run an app with uvicorn (uvloop + httptools when installed)."""
+def server_config(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Any:
+    """Every service's uvicorn settings (a ``uvicorn.Config``)."""
     import uvicorn
 
-    uvicorn.run(
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -246,3 +246,10 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Non
         timeout_keep_alive=75,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """Run an app with uvicorn (uvloop + httptools when installed)."""
+    import uvicorn
+
+    uvicorn.Server(server_config(app, host, port, log_level)).run()

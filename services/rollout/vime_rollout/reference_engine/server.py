@@ -14,11 +14,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from vime.service import server_config
+
 
 class AbortingServer(uvicorn.Server):
-    def __init__(self, app: FastAPI, **config: Any) -> None:
-        super().__init__(uvicorn.Config(app, **config))
-        self._app = app
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._app: FastAPI = config.app
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: Any = None) -> None:
@@ -34,13 +36,5 @@ class AbortingServer(uvicorn.Server):
 
 def run(app: FastAPI, host: str, port: int, log_level: str) -> None:
     """Serve until SIGTERM/SIGINT."""
-    server = AbortingServer(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        timeout_keep_alive=75,
-        timeout_graceful_shutdown=5,
-    )
+    server = AbortingServer(server_config(app, host, port, log_level))
     server.run()
