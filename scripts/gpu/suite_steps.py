@@ -147,8 +147,9 @@ STEPS: dict[str, Step] = {
         ),
         _pytest_step(
             "train_kernels",
-            "packed-sample attention (varlen, flex) against padded SDPA in bf16, with gradients",
+            "packed-sample attention (varlen, flex) against padded SDPA, compiled RoPE and SwiGLU against unfused, bf16, with gradients",
             "tests/unit/trainer/test_packed_attention.py",
+            "tests/unit/trainer/test_fused_kernels.py",
             timeout_s=120,
             expect_s=40,
         ),

@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.config import TrainerConfig
+from vime_trainer.megatron.fused import use_fused_kernels
 from vime_trainer.megatron.runtime import RankInfo
 from vime_trainer.weights.architecture import Architecture
 from vime_trainer.weights.hf_checkpoint import HFReader
@@ -64,9 +65,10 @@ def params_dtype(trainer: TrainerConfig, on_gpu: bool) -> torch.dtype:
 def transformer_config(
     arch: Architecture, info: RankInfo, dtype: torch.dtype, recompute_activations: bool = False
 ) -> TransformerConfig:
-    """Megatron's config for ``arch``: RMSNorm, SwiGLU, RoPE, GQA, no dropout, no fused kernels.
+    """Megatron's config for ``arch``: RMSNorm, SwiGLU, RoPE, GQA, no dropout.
 
-    ``recompute_activations``: Megatron's full recomputation, one layer per checkpoint (backward
+    On the GPU, RoPE and SwiGLU are fused (`fused.use_fused_kernels`); the CPU runs Megatron's
+    unfused code. ``recompute_activations``: Megatron's full recomputation, one layer per checkpoint (backward
     reruns each layer's forward instead of keeping its activations).
     """
     on_gpu = info.device.startswith("cuda")
@@ -75,6 +77,7 @@ def transformer_config(
         if recompute_activations
         else {}
     )
+    fusions = use_fused_kernels() if on_gpu else {"apply_rope_fusion": False, "bias_activation_fusion": False}
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -91,10 +94,8 @@ def transformer_config(
         qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not on_gpu,
         # Init is overwritten by the checkpoint, but perform_initialization=False would also skip
@@ -107,6 +108,7 @@ def transformer_config(
         pipeline_model_parallel_size=info.pp_size,
         variable_seq_lengths=info.pp_size > 1,  # micro-batches are padded to their own longest sample
         moe_token_dispatcher_type="alltoall",  # dense model; the default refuses variable_seq_lengths
+        **fusions,
         **recompute,
     )
 

@@ -1,0 +1,60 @@
+"""Fused RoPE and SwiGLU for the GPU step, without TransformerEngine or Apex.
+
+Megatron's unfused RoPE is about ten kernels per call on each of the query and the key (slices,
+cos/sin, the rotate-half ``cat``, two products and a sum, the same again in backward), and its
+unfused SwiGLU keeps three activations and runs ``silu`` and the product apart: together most of
+the 635 ms of "norms, activations, RoPE, elementwise" in a 2.15 s Qwen3-4B step profiled on the
+H200 (docs/benchmarks.md). Both fusions are Megatron's own switches: ``bias_activation_fusion``
+selects its ``torch.compile``d SwiGLU (forward and backward one kernel each; only the input is
+kept), and ``apply_rope_fusion`` calls ``rope_utils.fused_apply_rotary_pos_emb``, the hook
+TransformerEngine's kernel fills when installed; `use_fused_kernels` fills it with `rotary`,
+compiled. The CPU step keeps Megatron's unfused code (no compiler needed in CI).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+
+def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t`` ``[s, b, h, d]`` at angles ``freqs`` ``[s, 1, 1, d_rot]``, in fp32, rounded once.
+
+    The same rotation as Megatron's ``_apply_rotary_pos_emb_bshd`` (halves, not interleaved; the
+    ``d − d_rot`` trailing channels pass through), which rounds cos/sin and each product to
+    ``t``'s dtype; TransformerEngine's kernel, like this one, computes in fp32.
+    """
+    rot = freqs.shape[-1]
+    x = t[..., :rot].float()
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * freqs.cos() + torch.cat((-x2, x1), dim=-1) * freqs.sin()
+    if rot == t.shape[-1]:
+        return out.to(t.dtype)
+    return torch.cat((out.to(t.dtype), t[..., rot:]), dim=-1)
+
+
+@cache
+def _compiled_rotary() -> Any:
+    # dynamic: one graph for every micro-batch length (packed budgets change it each step)
+    return torch.compile(rotary, dynamic=True)
+
+
+def fused_rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """`rotary` compiled into one kernel (forward and backward); the signature Megatron calls."""
+    if interleaved:
+        raise NotImplementedError("interleaved RoPE has no fused kernel here")
+    return _compiled_rotary()(t, freqs)
+
+
+def use_fused_kernels() -> dict[str, bool]:
+    """Fill Megatron's fused-RoPE hook; returns the ``TransformerConfig`` fields that turn both on.
+
+    Called before the config is built: its validation refuses ``apply_rope_fusion`` while the hook
+    is empty. A TransformerEngine kernel already in the hook is kept.
+    """
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rotary
+    return {"apply_rope_fusion": True, "bias_activation_fusion": True}

@@ -1,0 +1,95 @@
+"""The GPU step's fused RoPE and SwiGLU give Megatron's unfused results, values and gradients.
+
+On CPU the rotation itself (`fused.rotary`, uncompiled) is checked against Megatron's code in fp32
+and the hook against the config's validation; on a GPU the compiled kernels are checked in bf16,
+and the model's own forward with the fusions on against it with them off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer.transformer_config import TransformerConfig
+from vime_trainer.megatron.fused import fused_rotary, rotary, use_fused_kernels
+
+SEQ, BATCH, HEADS, DIM = 7, 2, 3, 16
+
+
+def _angles(rot: int, device: str = "cpu") -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+    angles = torch.outer(torch.arange(SEQ, dtype=torch.float32, device=device), inv)
+    return torch.cat((angles, angles), dim=-1)[:, None, None, :]  # Megatron's [s, 1, 1, d_rot]
+
+
+def _grad(fn, t: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    x = t.detach().clone().requires_grad_()
+    out = fn(x, freqs)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=t.device).reshape(out.shape).to(out.dtype))
+    assert x.grad is not None
+    return out.detach(), x.grad
+
+
+def _megatron(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
+
+
+@pytest.mark.parametrize("rot", [DIM, DIM // 2])  # all channels rotated; half passed through
+def test_rotary_equals_megatron_with_gradients(rot: int) -> None:
+    t = torch.randn(SEQ, BATCH, HEADS, DIM)
+    out, grad = _grad(rotary, t, _angles(rot))
+    want, want_grad = _grad(_megatron, t, _angles(rot))
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(grad, want_grad)
+    if rot < DIM:
+        torch.testing.assert_close(out[..., rot:], t[..., rot:], rtol=0, atol=0)
+    assert not torch.allclose(out, t)  # the rotation did something
+
+
+def test_hook_lets_the_config_turn_fusion_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)
+    fields = dict(num_layers=1, hidden_size=64, num_attention_heads=4, activation_func=F.silu)
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        TransformerConfig(**fields, apply_rope_fusion=True)  # type: ignore[arg-type]
+    config = TransformerConfig(**fields, gated_linear_unit=True, **use_fused_kernels())  # type: ignore[arg-type]
+    assert config.apply_rope_fusion and config.bias_activation_fusion
+    assert rope_utils.fused_apply_rotary_pos_emb is fused_rotary
+    with pytest.raises(NotImplementedError):
+        fused_rotary(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), interleaved=True)
+
+
+def test_a_filled_hook_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    def other(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+        return t
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", other)
+    use_fused_kernels()
+    assert rope_utils.fused_apply_rotary_pos_emb is other
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on the GPU")
+@pytest.mark.parametrize("seq", [SEQ, 3 * SEQ])  # a second length: one dynamic graph for both
+def test_compiled_rotary_equals_megatron_in_bf16(seq: int) -> None:
+    t = torch.randn(seq, 1, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    freqs = _angles(DIM, "cuda").repeat(3, 1, 1, 1)[:seq]
+    out, grad = _grad(fused_rotary, t, freqs)
+    want, want_grad = _grad(lambda x, f: rotary(x.float(), f), t.float(), freqs)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad.float(), want_grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on the GPU")
+def test_fused_swiglu_equals_silu_product_in_bf16() -> None:
+    y = torch.randn(SEQ, BATCH, 2 * DIM, device="cuda", dtype=torch.bfloat16)
+
+    def unfused(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        a, b = x.float().chunk(2, dim=-1)
+        return F.silu(a) * b
+
+    out, grad = _grad(lambda x, _: bias_swiglu_impl(x, None), y, y)
+    want, want_grad = _grad(unfused, y, y)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad.float(), want_grad.float(), rtol=2e-2, atol=2e-2)
