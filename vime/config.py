@@ -243,6 +243,13 @@ class RunConfig(Section):
             set_(self, "offload_rollout", self.colocate and self.mode == "sync")
         if self.offload_train is None:
             set_(self, "offload_train", self.colocate and self.mode == "sync")
+        if self.engine.weight_load == "auto":
+            one_gpu_engines = self.rollout_num_gpus_per_engine == 1
+            set_(
+                self.engine,
+                "weight_load",
+                "direct" if self.weight_transport == "ipc" and one_gpu_engines else "vllm",
+            )
         samples = self.rollout_batch_size * self.n_samples_per_prompt
         if self.num_steps_per_rollout is not None:
             if samples % self.num_steps_per_rollout:
@@ -346,6 +353,14 @@ class RunConfig(Section):
 
     # --- derived values, shown by `vime config show` ----------------------------------------
     @computed_field  # type: ignore[prop-decorator]
+    @property
+    def weight_transport(self) -> str:
+        """``trainer.weight_transport`` with ``auto`` resolved: ``ipc`` when colocated on GPUs."""
+        chosen = self.trainer.weight_transport
+        if chosen != "auto":
+            return chosen
+        return "ipc" if self.colocate and self.actor_num_gpus_per_node > 0 else "shm"
+
     @property
     def train_world_size(self) -> int:
         """Training ranks: GPUs × nodes on GPU hosts, actor_num_cpu_ranks on CPU hosts."""

@@ -86,18 +86,18 @@ STEPS: dict[str, Step] = {
         ),
         _pytest_step(
             "loop",
-            "the colocated loop, 3 rollouts, real vLLM + Megatron + IPC: versions, mismatch, memory order",
+            "the colocated loop, 3 rollouts, real vLLM + Megatron + IPC (engine.weight_load=auto: direct): versions, mismatch, memory order",
             "tests/gpu/test_colocated_loop.py",
             timeout_s=420,
-            expect_s=210,
+            expect_s=240,
         ),
         _pytest_step(
-            "loop_direct",
-            "the colocated loop with engine.weight_load=direct: every push through the worker extension",
+            "loop_vllm",
+            "the colocated loop with engine.weight_load=vllm: every push through vLLM's /update_weights",
             "tests/gpu/test_colocated_loop.py",
             timeout_s=420,
-            expect_s=210,
-            env={"VIME_GPU_WEIGHT_LOAD": "direct"},
+            expect_s=240,
+            env={"VIME_GPU_WEIGHT_LOAD": "vllm"},
         ),
         _pytest_step(
             "direct",
@@ -188,13 +188,13 @@ GROUPS: dict[str, list[str]] = {
     "tests": ["loop", "contract", "megatron"],
     "benches": ["bench_sync", "bench_step"],
     "throughput": ["train_kernels", "bench_train_4b", "bench_train"],
-    "weight_load": ["bench_sync", "direct", "loop_direct"],
+    "weight_load": ["bench_sync", "direct", "loop_vllm"],
     "async": ["bench_async"],
     "all": list(STEPS),
 }
 """Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second;
 ``weight_load`` (engine.weight_load: the sync bench, the two-process test, the loop with
-``direct``), then ``bench_rollout`` and ``bench_step`` alone, are three calls that fit 600 s each.
+``vllm``), then ``bench_rollout`` and ``bench_step`` alone, are three calls that fit 600 s each.
 The most telling step of each goes first, so a call cut short loses the least."""
 
 

@@ -25,8 +25,9 @@ from vime.launch.stack import StackPlan, plan_stack
 from vime.launch.supervisor import Supervisor
 
 TOKEN = "gpu-loop-token"
-WEIGHT_LOAD = os.environ.get("VIME_GPU_WEIGHT_LOAD", "vllm")
-"""``engine.weight_load`` of the loop (the suite's ``loop_direct`` step sets ``direct``)."""
+WEIGHT_LOAD = os.environ.get("VIME_GPU_WEIGHT_LOAD", "direct")
+"""``engine.weight_load`` of the loop: ``direct``, what ``auto`` picks on one GPU (the suite's
+``loop_vllm`` step sets ``vllm``)."""
 NUM_ROLLOUT = 3
 PROMPTS = [f"{a}+{b}=" for a in range(1, 9) for b in range(1, 9)]
 

@@ -138,3 +138,27 @@ def test_cli_config_show_refuses_with_exit_code_2() -> None:
     )
     assert proc.returncode == 2
     assert "does not divide" in proc.stderr
+
+
+def test_auto_transport_is_ipc_and_auto_load_direct_only_for_colocated_one_gpu_engines() -> None:
+    cpu = ["rollout_num_gpus=0", "actor_num_gpus_per_node=0", "tensor_model_parallel_size=1"]
+
+    def pick(*o: str) -> tuple[str, str]:
+        cfg = load_config(overrides=list(o), environ={})
+        return cfg.weight_transport, cfg.engine.weight_load
+
+    assert pick(*cpu) == ("shm", "vllm")
+    assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8") == (
+        "ipc",
+        "vllm",
+    )  # the seed: TP=2 engines
+    one_gpu = ["rollout_num_gpus=8", "actor_num_gpus_per_node=8", "rollout_num_gpus_per_engine=1"]
+    assert pick(*one_gpu) == ("ipc", "direct")
+    assert pick(*one_gpu, "colocate=false") == ("shm", "vllm")
+    assert pick(*one_gpu, "engine.weight_load=vllm") == ("ipc", "vllm")
+    assert pick(*cpu, "trainer.weight_transport=ipc") == (
+        "ipc",
+        "vllm",
+    )  # a reference engine: one per TP group
+    assert pick(*cpu, "rollout_num_gpus_per_engine=1", "trainer.weight_transport=ipc") == ("ipc", "direct")
+    assert pick(*cpu, "engine.weight_load=direct") == ("shm", "direct")

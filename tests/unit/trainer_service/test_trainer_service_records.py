@@ -12,7 +12,6 @@ import pytest
 from vime_trainer.record import RunRecord, step_line
 from vime_trainer.report import draw_report, summarize, warmup_summary
 from vime_trainer.runs import first_rollout, override_pairs, run_config
-from vime_trainer.weight_sync import transport_name
 
 from vime.config import RunConfig, load_config
 from vime.service import ServiceError
@@ -136,16 +135,6 @@ def test_run_id_from_the_request_the_config_the_environment_or_a_timestamp(
     assert cfg.run_id == "from-env" and cfg.trainer.checkpoint_dir == str(tmp_path / "from-env")
     assert run_config(load, RunRequest(config={"run_id": "cfg"})).run_id == "cfg"
     assert run_config(load, RunRequest(run_id="req", config={"run_id": "cfg"})).run_id == "req"
-
-
-def test_auto_transport_is_ipc_only_for_colocated_gpus() -> None:
-    def pick(*o: str) -> str:
-        return transport_name(load_config(overrides=list(o), environ={}))
-
-    assert pick(*BASE) == "shm"
-    assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8") == "ipc"
-    assert pick("rollout_num_gpus=8", "actor_num_gpus_per_node=8", "colocate=false") == "shm"
-    assert pick(*BASE, "trainer.weight_transport=ipc") == "ipc"
 
 
 def test_tensorboard_asked_for_but_missing_is_a_warning_not_a_failure(

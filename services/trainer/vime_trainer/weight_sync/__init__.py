@@ -23,21 +23,12 @@ __all__ = [
     "WeightTransport",
     "make_transport",
     "make_weight_sync",
-    "transport_name",
 ]
-
-
-def transport_name(cfg: RunConfig) -> str:
-    """``trainer.weight_transport`` with ``auto`` resolved."""
-    chosen = cfg.trainer.weight_transport
-    if chosen != "auto":
-        return chosen
-    return "ipc" if cfg.colocate and cfg.actor_num_gpus_per_node > 0 else "shm"
 
 
 def make_transport(cfg: RunConfig, backend: Any) -> WeightTransport:
     """The transport for this run, over the started trainer backend (an `ActorGroup`)."""
-    if transport_name(cfg) == "ipc":
+    if cfg.weight_transport == "ipc":
         from vime_trainer.weight_sync.ipc import IpcTransport
 
         return IpcTransport(backend, packed=cfg.trainer.ipc_packed)
@@ -53,5 +44,5 @@ def make_weight_sync(cfg: RunConfig, backend: Any, on_event: EventFn = no_event)
         return stock
     from vime_trainer.weight_sync.direct_sync import DirectSync, RayRanks
 
-    ranks = RayRanks(backend, "ipc" if transport_name(cfg) == "ipc" else "shm", cfg.trainer.weight_dir)
+    ranks = RayRanks(backend, "ipc" if cfg.weight_transport == "ipc" else "shm", cfg.trainer.weight_dir)
     return DirectSync(ranks, stock, bucket_bytes=cfg.trainer.packed_buffer_size_bytes)
