@@ -125,25 +125,25 @@ STEPS: dict[str, Step] = {
             _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
             + _args("--rollouts 2 --weight-loads direct vllm"),
             timeout_s=480,
-            expect_s=300,
+            expect_s=340,
         ),
         Step(
             "bench_async",
             "mode=async vs the synchronous colocated mode on one GPU, back to back (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): samples/s, their ratio (goal ≥ 1.5), the mismatch of each",
             _args("bench/async_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args("--rollouts 4"),
+            + _args(f"--rollouts 3 --set {_PACKED} --set max_tokens_per_gpu=32768"),
             _args("bench/async_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
             + _args("--rollouts 3"),
-            timeout_s=570,
-            expect_s=380,
+            timeout_s=590,
+            expect_s=520,  # two stacks, each ~110 s of vLLM start; a call of its own
         ),
         Step(
             "bench_rollout",
             "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (the seed's and the manager's form), the gap by part",
             _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024"),
             _args("bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16"),
-            timeout_s=420,
-            expect_s=260,
+            timeout_s=480,
+            expect_s=330,  # vLLM's start alone took 111 s on 12-03
         ),
         _pytest_step(
             "train_kernels",
@@ -192,10 +192,11 @@ GROUPS: dict[str, list[str]] = {
     "async": ["bench_async"],
     "all": list(STEPS),
 }
-"""Named selections: ``suite.sh tests`` is the first device call, ``suite.sh benches`` the second;
-``weight_load`` (engine.weight_load: the sync bench, the two-process test, the loop with
-``vllm``), then ``bench_rollout`` and ``bench_step`` alone, are three calls that fit 600 s each.
-The most telling step of each goes first, so a call cut short loses the least."""
+"""Named selections. What fitted one session's 30 device minutes on 12-03 (about 100 s of it for
+the machine's start and the bundle's four parts): ``loop train_kernels bench_train_4b`` with
+``install`` (~420 s), then ``bench_step`` (~340 s), ``bench_rollout`` (~330 s) and ``bench_async``
+(~520 s), one call each (each vLLM start alone takes ~110 s). The most telling step of a call goes
+first, so a call cut short loses the least."""
 
 
 class SelectionError(ValueError):

@@ -165,3 +165,56 @@ class StubWorld:
 
     async def registered_urls(self) -> set[str]:
         return set(self.held)
+
+
+def small_config(**extra: Any) -> Any:
+    """The API tests' run: 2 prompts × 4 samples, 8-token responses, CPU ranks."""
+    from vime.config import load_config
+
+    over: dict[str, Any] = {
+        "rollout_batch_size": 2,
+        "n_samples_per_prompt": 4,
+        "micro_batch_size": 2,
+        "rollout_max_response_len": 8,
+        "rollout_max_context_len": 600,
+        "rollout_num_gpus": 0,
+        "actor_num_gpus_per_node": 0,
+        "actor_num_cpu_ranks": 2,
+        "tensor_model_parallel_size": 1,
+        **extra,
+    }
+    return load_config(overrides=[f"{k}={v}" for k, v in over.items()])
+
+
+def manager_starter(
+    cfg: Any, tokenizer: Any, world: StubWorld, *, engines: int, run_id: str, **parts: Any
+) -> Callable[[], Any]:
+    """The app's ``start``: a RolloutManager over ``engines`` stub engines (ports 9100…), the tiny
+    model, a `FakeScorer` of the sample's parity and ``parts`` (generator, train_data, eval_data, sink)."""
+    from vime_rollout.engines.group import EngineGroup
+    from vime_rollout.engines.health import HealthMonitor
+    from vime_rollout.manager import RolloutManager
+
+    async def start() -> RolloutManager:
+        specs = [EngineSpec(k, "reference", "127.0.0.1", 9100 + k) for k in range(engines)]
+        group = EngineGroup(
+            specs,
+            world,
+            lambda s: EngineCommand(["x"]),
+            lambda u: StubControl(u, world),
+            world,
+            startup_timeout_s=2,
+        )
+        await group.start()
+        return RolloutManager(
+            cfg,
+            run_id=run_id,
+            tokenizer=tokenizer,
+            model_name="tiny",
+            engines=group,
+            monitor=HealthMonitor(group, interval_s=60),
+            scorer=FakeScorer(lambda s: float(s.index % 2)),
+            **parts,
+        )
+
+    return start

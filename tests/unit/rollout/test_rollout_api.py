@@ -12,22 +12,16 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from rollout_fakes import FakeGenerator, FakeScorer, StubControl, StubWorld
+from rollout_fakes import FakeGenerator, StubWorld, manager_starter, small_config
 from vime_rollout.app import build_app
 from vime_rollout.batch_builder import BatchSink
 from vime_rollout.data import DataSource, build_dataset
 from vime_rollout.data.synthetic import arithmetic_records
-from vime_rollout.engines.commands import EngineCommand
-from vime_rollout.engines.group import EngineGroup
-from vime_rollout.engines.health import HealthMonitor
-from vime_rollout.engines.spec import EngineSpec
-from vime_rollout.manager import RolloutManager
 from vime_rollout.sft import SftExamples
 
 from vime.algorithms import normalize_group_rewards
 from vime.clients.base import ServiceCallError, ServiceUnreachable
 from vime.clients.rollout import RolloutClient
-from vime.config import RunConfig, load_config
 from vime.procs import free_port
 from vime.retry import poll_until_blocking
 
@@ -41,54 +35,25 @@ COMMON: dict[str, Any] = {
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def _cfg() -> RunConfig:
-    over = {
-        "rollout_batch_size": 2,
-        "n_samples_per_prompt": 4,
-        "micro_batch_size": 2,
-        "rollout_max_response_len": 8,
-        "rollout_max_context_len": 600,
-        "rollout_num_gpus": 0,
-        "actor_num_gpus_per_node": 0,
-        "actor_num_cpu_ranks": 2,
-        "tensor_model_parallel_size": 1,
-    }
-    return load_config(overrides=[f"{k}={v}" for k, v in over.items()])
-
-
 @pytest.fixture
 def client(tokenizer: Any) -> Iterator[tuple[TestClient, StubWorld, FakeGenerator]]:
-    cfg = _cfg()
+    cfg = small_config()
     world = StubWorld()
     gen = FakeGenerator()
     train = build_dataset("a", arithmetic_records(20, 1), tokenizer, max_prompt_len=64, **COMMON)
     evals = {"held": build_dataset("held", arithmetic_records(3, 2), tokenizer, max_prompt_len=64, **COMMON)}
 
-    async def start() -> RolloutManager:
-        specs = [EngineSpec(k, "reference", "127.0.0.1", 9100 + k) for k in range(2)]
-        group = EngineGroup(
-            specs,
-            world,
-            lambda s: EngineCommand(["x"]),
-            lambda u: StubControl(u, world),
-            world,
-            startup_timeout_s=2,
-        )
-        await group.start()
-        return RolloutManager(
-            cfg,
-            run_id="unit",
-            tokenizer=tokenizer,
-            model_name="tiny",
-            engines=group,
-            monitor=HealthMonitor(group, interval_s=60),
-            generator=gen,
-            scorer=FakeScorer(lambda s: float(s.index % 2)),
-            train_data=DataSource(train, cfg.n_samples_per_prompt, seed=1),
-            eval_data=evals,
-            sink=None,
-        )
-
+    start = manager_starter(
+        cfg,
+        tokenizer,
+        world,
+        engines=2,
+        run_id="unit",
+        generator=gen,
+        train_data=DataSource(train, cfg.n_samples_per_prompt, seed=1),
+        eval_data=evals,
+        sink=None,
+    )
     with TestClient(build_app(start, token=TOKEN, default_dp_size=cfg.dp_size)) as c:
         yield c, world, gen
 

@@ -12,18 +12,13 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_fakes import FakeGenerator, FakeScorer, StubControl, StubWorld
+from rollout_fakes import FakeGenerator, StubWorld, manager_starter, small_config
 from vime_rollout.app import build_app
 from vime_rollout.batch_builder import BatchSink
 from vime_rollout.data import DataSource, build_dataset
 from vime_rollout.data.synthetic import arithmetic_records
-from vime_rollout.engines.commands import EngineCommand
-from vime_rollout.engines.group import EngineGroup
-from vime_rollout.engines.health import HealthMonitor
-from vime_rollout.engines.spec import EngineSpec
-from vime_rollout.manager import RolloutManager
 
-from vime.config import RunConfig, load_config
+from vime.config import RunConfig
 from vime.queue import BatchConsumer, connect
 from vime.queue_waiting import drop, waiting_entries
 from vime.wire.rollout import PRODUCER_NEXT_KEY
@@ -34,20 +29,7 @@ START = {"first_rollout_id": 0, "end_rollout_id": 3, "dp_size": 2, "max_stalenes
 
 
 def _cfg(mode: str) -> RunConfig:
-    over = {
-        "mode": mode,
-        "rollout_batch_size": 2,
-        "n_samples_per_prompt": 4,
-        "micro_batch_size": 2,
-        "rollout_max_response_len": 8,
-        "rollout_max_context_len": 600,
-        "rollout_num_gpus": 0,
-        "actor_num_gpus_per_node": 0,
-        "actor_num_cpu_ranks": 2,
-        "tensor_model_parallel_size": 1,
-        "colocate": False,
-    }
-    return load_config(overrides=[f"{k}={v}" for k, v in over.items()])
+    return small_config(mode=mode, colocate=False)
 
 
 def _app(cfg: RunConfig, tokenizer: Any, redis_url: str, run_id: str) -> Any:
@@ -63,31 +45,17 @@ def _app(cfg: RunConfig, tokenizer: Any, redis_url: str, run_id: str) -> Any:
         max_prompt_len=64,
     )
 
-    async def start() -> RolloutManager:
-        specs = [EngineSpec(0, "reference", "127.0.0.1", 9100)]
-        group = EngineGroup(
-            specs,
-            world,
-            lambda s: EngineCommand(["x"]),
-            lambda u: StubControl(u, world),
-            world,
-            startup_timeout_s=2,
-        )
-        await group.start()
-        return RolloutManager(
-            cfg,
-            run_id=run_id,
-            tokenizer=tokenizer,
-            model_name="tiny",
-            engines=group,
-            monitor=HealthMonitor(group, interval_s=60),
-            generator=FakeGenerator(),
-            scorer=FakeScorer(lambda s: float(s.index % 2)),
-            train_data=DataSource(train, cfg.n_samples_per_prompt, seed=1),
-            eval_data={},
-            sink=BatchSink(redis_url, run_id),
-        )
-
+    start = manager_starter(
+        cfg,
+        tokenizer,
+        world,
+        engines=1,
+        run_id=run_id,
+        generator=FakeGenerator(),
+        train_data=DataSource(train, cfg.n_samples_per_prompt, seed=1),
+        eval_data={},
+        sink=BatchSink(redis_url, run_id),
+    )
     return build_app(start, token=TOKEN, default_dp_size=cfg.dp_size)
 
 

@@ -281,21 +281,14 @@ class DirectSync(WeightSync):
         self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode
     ) -> PushReport:
         report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
-        clients = {e.url: self.client_factory(e.url) for e in engines}
-        start = time.perf_counter()
-        try:
-            await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
-            if flush:
-                await self._phase(report, "flush", clients, self._reset_prefix_cache)
+
+        async def load(clients: dict[str, EngineClient]) -> None:
             await self._load(report, engines, clients)
             labelled = {u: c for u, c in clients.items() if self.labels.get(u)}
             if labelled:
                 await self._phase(report, "label", labelled, lambda c: _label(c, version), version=version)
-            await self._phase(report, "resume", clients, lambda c: c.resume())
-        finally:
-            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
-        report.seconds = time.perf_counter() - start
-        return report
+
+        return await self._framed(report, engines, mode, load)
 
     async def _load(
         self, report: PushReport, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]

@@ -99,15 +99,8 @@ class WeightSync:
         report = PushReport(version, flush, [e.url for e in engines])
         if not engines:
             return report
-        clients = {e.url: self.client_factory(e.url) for e in engines}
-        start = time.perf_counter()
-        try:
-            pause = mode or pause_mode(flush)
-            await self._phase(
-                report, "pause", clients, lambda c: c.pause(pause, clear_cache=False), mode=pause
-            )
-            if flush:
-                await self._phase(report, "flush", clients, self._reset_prefix_cache)
+
+        async def load(clients: dict[str, EngineClient]) -> None:
             init_info = getattr(self.transport, "init_info", None)
             if init_info is not None:
                 await self._phase(report, "init", clients, lambda c: c.init_weight_transfer_engine(init_info))
@@ -120,6 +113,25 @@ class WeightSync:
             except BaseException:
                 await self._close_sessions(clients)
                 raise
+
+        return await self._framed(report, engines, mode or pause_mode(flush), load)
+
+    async def _framed(
+        self,
+        report: PushReport,
+        engines: Sequence[EngineInfo],
+        mode: PauseMode,
+        load: Callable[[dict[str, EngineClient]], Awaitable[None]],
+    ) -> PushReport:
+        """Seed step 46 (pause; the prefix-cache flush when the report is ``flushed``), ``load``, step 52 (resume), timed into
+        ``report``; every engine client closed after, whatever failed."""
+        clients = {e.url: self.client_factory(e.url) for e in engines}
+        start = time.perf_counter()
+        try:
+            await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
+            if report.flushed:
+                await self._phase(report, "flush", clients, self._reset_prefix_cache)
+            await load(clients)
             await self._phase(report, "resume", clients, lambda c: c.resume())
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
