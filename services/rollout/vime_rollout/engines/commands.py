@@ -49,17 +49,16 @@ def _vllm_version() -> tuple[int, ...] | None:
 
 
 def _serving_args(cfg: RunConfig, spec: EngineSpec, served_name: str) -> list[str]:
-    """What every engine (vLLM or reference) is told alike: its model name, address and context, to
+    """What every engine (vLLM or reference) is told alike: its model name, address (its gate's
+    Unix socket when it has one) and context, to
     report log-probs after temperature (``--logprobs-mode``, in vLLM 0.26's and 0.33's ModelConfig):
     the default ``raw_logprobs`` are of the untempered logits, which the trainer does not use; and
     the direct-load extension when the run loads weights directly."""
+    listen = ["--uds", spec.socket] if spec.socket else ["--host", spec.host, "--port", str(spec.port)]
     args = [
         "--served-model-name",
         served_name,
-        "--host",
-        spec.host,
-        "--port",
-        str(spec.port),
+        *listen,
         "--max-model-len",
         str(cfg.rollout_max_context_len),
         "--logprobs-mode",

@@ -41,9 +41,10 @@ class EngineControl(Protocol):
     async def aclose(self) -> None: ...
 
 
-def engine_control(url: str) -> EngineControl:
-    """The control client of one engine (no retries of control calls: the caller decides)."""
-    return EngineClient(url, timeout=CONTROL_TIMEOUT_S, retries=1, max_connections=8)
+def engine_control(url: str, token: str | None = None) -> EngineControl:
+    """The control client of one engine (no retries of control calls: the caller decides); ``token``
+    opens the engine's gate (`engines.gate`)."""
+    return EngineClient(url, token=token, timeout=CONTROL_TIMEOUT_S, retries=1, max_connections=8)
 
 
 async def healthy(control: EngineControl, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from vime import procs
 from vime_rollout.engines.commands import EngineCommand
+from vime_rollout.engines.gate import gate_argv
 from vime_rollout.engines.spec import EngineSpec
 
 log = logging.getLogger("vime.rollout.engines")
@@ -36,38 +37,57 @@ class Launcher(Protocol):
 
 
 class LocalProcess:
-    """An engine that is a child process of the rollout manager (own process group)."""
+    """An engine that is a child process of the rollout manager (own process group), with its gate
+    when it has one (the engine is down when either is)."""
 
-    def __init__(self, child: procs.Child) -> None:
+    def __init__(self, child: procs.Child, gate: procs.Child | None = None) -> None:
         self.child = child
+        self.gate = gate
         self.pid = child.pid
 
     def alive(self) -> bool | None:
-        return self.child.alive()
+        return self.child.alive() and (self.gate is None or self.gate.alive())
 
     def stop(self) -> None:
         self.child.stop(grace_s=15.0)
+        if self.gate is not None:
+            self.gate.stop(grace_s=5.0)
 
     def log_tail(self) -> str:
         return self.child.log_tail()
 
 
 class LocalLauncher:
-    """Child processes with their output in ``log_dir/engine<k>.log``."""
+    """Child processes with their output in ``log_dir/engine<k>.log``; an engine with a ``socket``
+    gets its gate (`engines.gate`, ``token`` its key) on its port, logging to ``engine<k>-gate.log``."""
 
     can_restart = True
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, token: str | None = None) -> None:
         self.log_dir = Path(log_dir)
+        self.token = token
 
     def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess:
         if command is None:
             raise ValueError(f"{spec.name}: a local engine needs a command")
         log.info("starting %s on %s (GPUs %s)", spec.name, spec.url, spec.gpu_ids or "none")
+        gate = None
+        if spec.socket:
+            socket = Path(spec.socket)
+            socket.unlink(missing_ok=True)  # an earlier life's socket: the engine's bind would fail
+            argv = gate_argv(
+                socket.parent,
+                spec.name,
+                host=spec.host,
+                port=spec.port,
+                socket_path=str(socket),
+                token=self.token,
+            )
+            gate = procs.start(f"{spec.name}-gate", argv, log_path=self.log_dir / f"{spec.name}-gate.log")
         child = procs.start(
             spec.name, command.argv, log_path=self.log_dir / f"{spec.name}.log", env=command.env
         )
-        return LocalProcess(child)
+        return LocalProcess(child, gate)
 
 
 class ExternalProcess:

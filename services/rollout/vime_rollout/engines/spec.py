@@ -34,6 +34,8 @@ class EngineSpec:
     port: int
     gpu_ids: tuple[int, ...] = ()
     external_url: str | None = None
+    socket: str | None = None
+    """The Unix socket the engine listens on when a gate (`engines.gate`) owns ``host:port``."""
 
     @property
     def url(self) -> str:

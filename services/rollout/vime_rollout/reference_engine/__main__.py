@@ -34,6 +34,9 @@ def main(
     model: Annotated[Path, typer.Option(help="Hugging Face model directory (safetensors).")],
     host: Annotated[str, typer.Option(help="Interface to listen on (keep it private).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    uds: Annotated[
+        str | None, typer.Option(help="Listen on this Unix socket instead of host:port (as vLLM's --uds).")
+    ] = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name in responses (default: --model).")
     ] = None,
@@ -113,7 +116,7 @@ def main(
             worker=worker,
         )
 
-    run(build_app(core, served), host, port, log_level)
+    run(build_app(core, served), host, port, log_level, uds)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class AbortingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    """Serve until SIGTERM/SIGINT."""
-    server = AbortingServer(server_config(app, host, port, log_level))
+def run(app: FastAPI, host: str, port: int, log_level: str, uds: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (on the Unix socket ``uds`` when given, as vLLM's ``--uds``)."""
+    server = AbortingServer(server_config(app, host, port, log_level, uds))
     server.run()

@@ -39,7 +39,7 @@ def make_transport(cfg: RunConfig, backend: Any) -> WeightTransport:
 
 def make_weight_sync(cfg: RunConfig, backend: Any, on_event: EventFn = no_event) -> WeightSync:
     """The run's weight push over the started trainer backend, as ``engine.weight_load`` asks."""
-    stock = WeightSync(make_transport(cfg, backend), on_event=on_event)
+    stock = WeightSync(make_transport(cfg, backend), on_event=on_event, token=cfg.services.token())
     if cfg.engine.weight_load != "direct":
         return stock
     from vime_trainer.weight_sync.direct_sync import DirectSync, RayRanks

@@ -84,12 +84,16 @@ class WeightSync:
         reset_attempts: int = 60,
         reset_interval_s: float = 1.0,
         client_factory: Callable[[str], EngineClient] | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the stack's, sent on every engine call (it opens the engines' gates)."""
         self.transport = transport
         self.on_event = on_event
         self.reset_attempts = reset_attempts
         self.reset_interval_s = reset_interval_s
-        self.client_factory = client_factory or (lambda url: EngineClient(url, timeout=UPDATE_TIMEOUT_S))
+        self.client_factory = client_factory or (
+            lambda url: EngineClient(url, token=token, timeout=UPDATE_TIMEOUT_S)
+        )
 
     async def push(
         self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode | None = None
