@@ -191,20 +191,11 @@ def manager_starter(
 ) -> Callable[[], Any]:
     """The app's ``start``: a RolloutManager over ``engines`` stub engines (ports 9100…), the tiny
     model, a `FakeScorer` of the sample's parity and ``parts`` (generator, train_data, eval_data, sink)."""
-    from vime_rollout.engines.group import EngineGroup
     from vime_rollout.engines.health import HealthMonitor
     from vime_rollout.manager import RolloutManager
 
     async def start() -> RolloutManager:
-        specs = [EngineSpec(k, "reference", "127.0.0.1", 9100 + k) for k in range(engines)]
-        group = EngineGroup(
-            specs,
-            world,
-            lambda s: EngineCommand(["x"]),
-            lambda u: StubControl(u, world),
-            world,
-            startup_timeout_s=2,
-        )
+        group = stub_group(world, engines, base_port=9100)
         await group.start()
         return RolloutManager(
             cfg,
@@ -218,3 +209,18 @@ def manager_starter(
         )
 
     return start
+
+
+def stub_group(world: StubWorld, n: int = 3, *, base_port: int = 9000) -> Any:
+    """An EngineGroup of ``n`` stub engines of ``world`` (ports ``base_port`` + k), not started."""
+    from vime_rollout.engines.group import EngineGroup
+
+    specs = [EngineSpec(k, "reference", "127.0.0.1", base_port + k) for k in range(n)]
+    return EngineGroup(
+        specs,
+        world,
+        lambda s: EngineCommand(["x"]),
+        lambda url: StubControl(url, world),
+        world,
+        startup_timeout_s=2,
+    )

@@ -9,13 +9,13 @@ import time
 from typing import Any
 
 import pytest
-from rollout_fakes import StubControl, StubWorld
-from vime_rollout.engines.commands import EngineCommand, reference_command, vllm_command
+from rollout_fakes import StubWorld, stub_group
+from vime_rollout.engines.commands import reference_command, vllm_command
 from vime_rollout.engines.group import EngineGroup, EngineStartError
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, container_spec
 from vime_rollout.engines.records import LockHeld, UpdateLock
-from vime_rollout.engines.spec import EnginePlanError, EngineSpec, plan_engines
+from vime_rollout.engines.spec import EnginePlanError, plan_engines
 from vime_rollout.factory import make_launcher
 from vime_rollout.rollout.metrics import engine_request_metrics
 
@@ -170,15 +170,8 @@ def test_update_lock_lease() -> None:
 
 
 def _group(world: StubWorld, n: int = 3) -> EngineGroup:
-    specs = [EngineSpec(k, "reference", "127.0.0.1", 9000 + k) for k in range(n)]
-    return EngineGroup(
-        specs,
-        world,
-        lambda s: EngineCommand(["x"]),
-        lambda url: StubControl(url, world),
-        world,
-        startup_timeout_s=2,
-    )
+    group: EngineGroup = stub_group(world, n)
+    return group
 
 
 def test_group_starts_registers_and_fans_memory_calls_out() -> None:
