@@ -43,6 +43,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineSpec
         yield spec, process
     finally:
         process.stop()
+    assert spec.socket and not Path(spec.socket).parent.exists()  # the token's file went with it
 
 
 def test_the_engine_listens_only_on_a_private_socket(gated: tuple[EngineSpec, LocalProcess]) -> None:

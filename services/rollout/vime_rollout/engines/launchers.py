@@ -40,9 +40,13 @@ class LocalProcess:
     """An engine that is a child process of the rollout manager (own process group), with its gate
     when it has one (the engine is down when either is)."""
 
-    def __init__(self, child: procs.Child, gate: procs.Child | None = None) -> None:
+    def __init__(
+        self, child: procs.Child, gate: procs.Child | None = None, private: list[Path] | None = None
+    ) -> None:
         self.child = child
         self.gate = gate
+        self.private = private or []
+        """The gate's files (its config holds the token, and the socket), removed once both stopped."""
         self.pid = child.pid
 
     def alive(self) -> bool | None:
@@ -52,6 +56,11 @@ class LocalProcess:
         self.child.stop(grace_s=15.0)
         if self.gate is not None:
             self.gate.stop(grace_s=5.0)
+        for path in self.private:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the last engine's stop removes the directory
+            if self.private:
+                self.private[0].parent.rmdir()
 
     def log_tail(self) -> str:
         return self.child.log_tail()
@@ -71,7 +80,7 @@ class LocalLauncher:
         if command is None:
             raise ValueError(f"{spec.name}: a local engine needs a command")
         log.info("starting %s on %s (GPUs %s)", spec.name, spec.url, spec.gpu_ids or "none")
-        gate = None
+        gate, private = None, []
         if spec.socket:
             socket = Path(spec.socket)
             socket.unlink(missing_ok=True)  # an earlier life's socket: the engine's bind would fail
@@ -84,10 +93,11 @@ class LocalLauncher:
                 token=self.token,
             )
             gate = procs.start(f"{spec.name}-gate", argv, log_path=self.log_dir / f"{spec.name}-gate.log")
+            private = [socket, Path(argv[-1])]
         child = procs.start(
             spec.name, command.argv, log_path=self.log_dir / f"{spec.name}.log", env=command.env
         )
-        return LocalProcess(child, gate)
+        return LocalProcess(child, gate, private)
 
 
 class ExternalProcess:
