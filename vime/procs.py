@@ -53,6 +53,11 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def connect_host(host: str) -> str:
+    """Where to connect to reach a server bound on ``host`` (a wildcard bind answers on loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
     """Whether something accepts TCP connections on host:port."""
     with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):

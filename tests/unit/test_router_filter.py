@@ -95,10 +95,15 @@ async def route_filter(
         "caddy", [caddy_binary(), "run", "--config", str(config)], log_path=tmp_path / "caddy.log"
     )
     try:
-        await poll_until(lambda: _answers(f.stats_port), timeout_s=30, interval_s=0.05, what="caddy up")
+        both = lambda: _both(f.port, f.stats_port)  # noqa: E731 - Caddy opens its servers one by one
+        await poll_until(both, timeout_s=30, interval_s=0.05, what="caddy up")
         yield f
     finally:
         child.stop()
+
+
+async def _both(*ports: int) -> bool:
+    return all([await _answers(p) for p in ports])
 
 
 async def _answers(port: int) -> bool:

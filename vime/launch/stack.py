@@ -189,7 +189,7 @@ def latest_config(output_dir: str | Path) -> Path | None:
 def busy_ports(plan: StackPlan) -> list[str]:
     """Ports of this plan something already listens on, as readable complaints."""
     host = plan.cfg.services.host
-    probe = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    probe = procs.connect_host(host)
     return [
         f"port {port} ({owner}) is already in use"
         for port, owner in sorted(plan.ports().items())

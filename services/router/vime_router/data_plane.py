@@ -28,6 +28,7 @@ import httpx
 from vime import procs
 from vime.caddy import caddy_binary
 from vime.config import RouterConfig
+from vime.retry import poll_until
 from vime_router.placeholders import Placeholders
 from vime_router.route_filter import filter_counters, write_config
 
@@ -112,7 +113,11 @@ class Supervised:
         log_path: Path,
         timeout_s: float,
         env: dict[str, str] | None = None,
+        listens: tuple[str, int] | None = None,
     ) -> None:
+        """``listens``: a second address it must accept connections on before it counts as started
+        (Caddy opens its servers one by one, in no fixed order)."""
+        self.listens = listens
         self.name = name
         self.argv = argv
         self.env = env or {}
@@ -138,6 +143,14 @@ class Supervised:
         )
         self.started_at = time.monotonic()
         await asyncio.to_thread(procs.wait_healthy, self.ready_url, self.child, self.timeout_s, path="")
+        if self.listens is not None:
+            host, port = self.listens
+            await poll_until(
+                lambda: asyncio.to_thread(procs.port_open, host, port),
+                timeout_s=self.timeout_s,
+                interval_s=0.05,
+                what=f"{self.name} listening on {host}:{port}",
+            )
 
     async def stop(self) -> None:
         if self.child is not None:
@@ -178,6 +191,7 @@ class DataPlane:
                 "XDG_CONFIG_HOME": str(spec.log_dir / "route-filter"),
                 "XDG_DATA_HOME": str(spec.log_dir / "route-filter"),
             },
+            listens=(procs.connect_host(spec.host), spec.port),
         )
         self.placeholders = Placeholders(spec.placeholder_ports)
         self.ready = False
