@@ -43,7 +43,25 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineSpec
         yield spec, process
     finally:
         process.stop()
-    assert spec.socket and not Path(spec.socket).parent.exists()  # the token's file went with it
+    assert spec.socket and not any(Path(spec.socket).parent.iterdir())  # the token's file went with it
+
+
+def test_a_stopped_engine_starts_again_in_its_directory(tmp_path: Path) -> None:
+    """What the health monitor does after a crash: stop, then start the same spec."""
+    cfg = load_config(
+        overrides=["rollout_num_gpus=0", "actor_num_gpus_per_node=0", "tensor_model_parallel_size=1"],
+        environ={},
+    )
+    model = ensure_tiny_qwen3(os.environ.get("VIME_TEST_MODEL_CACHE") or tmp_path / "m", "micro")
+    [spec] = behind_gates([EngineSpec(0, "reference", "127.0.0.1", procs.free_port())])
+    launcher = LocalLauncher(tmp_path / "logs", token=TOKEN)
+    for _ in range(2):
+        process = launcher.start(spec, reference_command(cfg, spec, str(model), "tiny"))
+        assert isinstance(process, LocalProcess)
+        try:
+            procs.wait_healthy(spec.url, process.child, timeout_s=180)
+        finally:
+            process.stop()
 
 
 def test_the_engine_listens_only_on_a_private_socket(gated: tuple[EngineSpec, LocalProcess]) -> None:

@@ -56,11 +56,8 @@ class LocalProcess:
         self.child.stop(grace_s=15.0)
         if self.gate is not None:
             self.gate.stop(grace_s=5.0)
-        for path in self.private:
+        for path in self.private:  # the directory stays: a restart starts the engine in it again
             path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # the last engine's stop removes the directory
-            if self.private:
-                self.private[0].parent.rmdir()
 
     def log_tail(self) -> str:
         return self.child.log_tail()
