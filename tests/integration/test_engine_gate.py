@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vime_rollout.engines.commands import reference_command
+from vime_rollout.engines.commands import EngineCommand, reference_command
 from vime_rollout.engines.gate import behind_gates
 from vime_rollout.engines.launchers import LocalLauncher, LocalProcess
 from vime_rollout.engines.spec import EngineSpec
@@ -25,18 +25,21 @@ from vime.models.tiny import ensure_tiny_qwen3
 TOKEN = "gate-t0ken"
 
 
-@pytest.fixture(scope="module")
-def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineSpec, LocalProcess]]:
+def _gated_engine(tmp: Path) -> tuple[EngineSpec, LocalLauncher, EngineCommand]:
+    """One reference engine (nano model) planned behind a gate, its launcher and its command."""
     cfg = load_config(
         overrides=["rollout_num_gpus=0", "actor_num_gpus_per_node=0", "tensor_model_parallel_size=1"],
         environ={},
     )
-    model = ensure_tiny_qwen3(
-        os.environ.get("VIME_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("m"), "micro"
-    )
+    model = ensure_tiny_qwen3(os.environ.get("VIME_TEST_MODEL_CACHE") or tmp / "m", "micro")
     [spec] = behind_gates([EngineSpec(0, "reference", "127.0.0.1", procs.free_port())])
-    launcher = LocalLauncher(tmp_path_factory.mktemp("logs"), token=TOKEN)
-    process = launcher.start(spec, reference_command(cfg, spec, str(model), "tiny"))
+    return spec, LocalLauncher(tmp / "logs", token=TOKEN), reference_command(cfg, spec, str(model), "tiny")
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineSpec, LocalProcess]]:
+    spec, launcher, command = _gated_engine(tmp_path_factory.mktemp("gate"))
+    process = launcher.start(spec, command)
     assert isinstance(process, LocalProcess)
     try:
         procs.wait_healthy(spec.url, process.child, timeout_s=180)
@@ -48,15 +51,9 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineSpec
 
 def test_a_stopped_engine_starts_again_in_its_directory(tmp_path: Path) -> None:
     """What the health monitor does after a crash: stop, then start the same spec."""
-    cfg = load_config(
-        overrides=["rollout_num_gpus=0", "actor_num_gpus_per_node=0", "tensor_model_parallel_size=1"],
-        environ={},
-    )
-    model = ensure_tiny_qwen3(os.environ.get("VIME_TEST_MODEL_CACHE") or tmp_path / "m", "micro")
-    [spec] = behind_gates([EngineSpec(0, "reference", "127.0.0.1", procs.free_port())])
-    launcher = LocalLauncher(tmp_path / "logs", token=TOKEN)
+    spec, launcher, command = _gated_engine(tmp_path)
     for _ in range(2):
-        process = launcher.start(spec, reference_command(cfg, spec, str(model), "tiny"))
+        process = launcher.start(spec, command)
         assert isinstance(process, LocalProcess)
         try:
             procs.wait_healthy(spec.url, process.child, timeout_s=180)

@@ -83,6 +83,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
     specs = plan_engines(cfg)  # a config that cannot place its engines fails before anything is built
     if cfg.engine.launcher == "local":
         specs = behind_gates(specs)
+    token = cfg.services.token()  # opens the engines' gates
     model_path = await asyncio.to_thread(policy_model_path, cfg)
     model_name = served_model_name(cfg, model_path)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
@@ -92,7 +93,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         specs,
         make_launcher(cfg, run_id, model_path, log_dir),
         lambda spec: engine_command(cfg, spec, str(model_path), model_name),
-        lambda url: engine_control(url, cfg.services.token()),
+        lambda url: engine_control(url, token),
         router_registry(cfg),
         startup_timeout_s=cfg.engine.startup_timeout_s,
     )

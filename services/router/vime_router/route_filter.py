@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vime.caddy import REFUSING_HANDLER, refusal
+from vime.caddy import REFUSING_HANDLER, refusal, upstream_failed
 from vime.wire.router import PUBLIC_ROUTES
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -89,14 +89,7 @@ def _errors(max_body_bytes: int) -> dict[str, Any]:
         "handle": [refusal(413, f"request body larger than {max_body_bytes} bytes")],
         "terminal": True,
     }
-    other = {
-        "handle": [
-            {
-                **refusal(502, "the router's data plane did not answer: {http.error.status_text}"),
-                "status_code": "{http.error.status_code}",
-            }
-        ]
-    }
+    other = upstream_failed("the router's data plane did not answer: {http.error.status_text}")
     return {"routes": [too_large, other]}
 
 

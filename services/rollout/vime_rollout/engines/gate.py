@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vime.caddy import caddy_binary, refusal
+from vime.caddy import caddy_binary, refusal, upstream_failed
 from vime.wire.router import PUBLIC_ROUTES
 from vime_rollout.engines.spec import EngineSpec
 
@@ -80,18 +80,7 @@ def gate_config(*, host: str, port: int, socket_path: str, token: str | None) ->
                         "idle_timeout": "75s",
                         "routes": _routes(socket_path, token),
                         "errors": {
-                            "routes": [
-                                {
-                                    "handle": [
-                                        {
-                                            **refusal(
-                                                502, "the engine did not answer: {http.error.status_text}"
-                                            ),
-                                            "status_code": "{http.error.status_code}",
-                                        }
-                                    ]
-                                }
-                            ]
+                            "routes": [upstream_failed("the engine did not answer: {http.error.status_text}")]
                         },
                     }
                 },

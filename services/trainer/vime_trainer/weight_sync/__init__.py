@@ -44,5 +44,5 @@ def make_weight_sync(cfg: RunConfig, backend: Any, on_event: EventFn = no_event)
         return stock
     from vime_trainer.weight_sync.direct_sync import DirectSync, RayRanks
 
-    ranks = RayRanks(backend, "ipc" if cfg.weight_transport == "ipc" else "shm", cfg.trainer.weight_dir)
+    ranks = RayRanks(backend, cfg.weight_transport, cfg.trainer.weight_dir)
     return DirectSync(ranks, stock, bucket_bytes=cfg.trainer.packed_buffer_size_bytes)
