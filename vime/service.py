@@ -7,6 +7,7 @@ named, oversized bodies are 413, and `ServiceError` carries its own status.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -252,8 +253,31 @@ def server_config(
     )
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """Run an app with uvicorn (uvloop + httptools when installed)."""
+def serve(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    *,
+    uds: str | None = None,
+    on_signal: Callable[[], None] | None = None,
+) -> None:
+    """Run an app with uvicorn (uvloop + httptools when installed). ``on_signal``: called on the
+    event loop as soon as SIGTERM or SIGINT arrives, before uvicorn's graceful shutdown (up to
+    ``GRACEFUL_SHUTDOWN_S`` for open requests, then the lifespan's end), for work that must stop
+    where the signal found it instead of going on meanwhile."""
     import uvicorn
 
-    uvicorn.Server(server_config(app, host, port, log_level)).run()
+    class Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if on_signal is not None and self.loop is not None and not self.should_exit:
+                self.loop.call_soon_threadsafe(on_signal)  # this runs as a signal handler
+            super().handle_exit(sig, frame)
+
+    Server(server_config(app, host, port, log_level, uds)).run()

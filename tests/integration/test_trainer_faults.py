@@ -168,13 +168,13 @@ def test_a_killed_trainer_gives_the_resume_command_and_the_resumed_run_trains_no
 
     leg2 = _leg(tmp_path, 2, ["train", *args], mark, models)
     try:
-        with _held_in_rollout(leg2, cfg, 3):
+        with _held_in_rollout(leg2, cfg, 3):  # until the trainer is gone: the rollout cannot end first
             trainer = _trainer_pid(leg2)
             os.kill(trainer, signal.SIGTERM)  # the process alone, as a service manager would
             t0 = time.monotonic()
-        while procs.port_open("127.0.0.1", cfg["services"]["trainer_port"]) or _alive(trainer):
-            assert time.monotonic() - t0 < SIGTERM_ANSWER_S, leg2.log_tail(60)
-            time.sleep(0.2)
+            while procs.port_open("127.0.0.1", cfg["services"]["trainer_port"]) or _alive(trainer):
+                assert time.monotonic() - t0 < SIGTERM_ANSWER_S, leg2.log_tail(60)
+                time.sleep(0.2)
         print(f"\nFAULT trainer_sigterm: the trainer exited {time.monotonic() - t0:.1f} s after SIGTERM")
         assert leg2.popen.wait(LEG_S) == 1
     finally:

@@ -45,15 +45,20 @@ async def run_once(load: ConfigLoader, run_id: str | None) -> int:
 
     registry = RunRegistry(load, backend_factory)  # type: ignore[arg-type]
     signals: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        registry.cancel()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signals.append, sig)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         handle = await registry.start(RunRequest(run_id=run_id))
         assert handle.task is not None
-        while not handle.task.done() and not signals:
-            await asyncio.wait({handle.task}, timeout=0.2)
-        await registry.aclose()  # cancels the run if a signal came first; its clean-up stops the ranks
+        if signals:  # it came while the run was being built
+            registry.cancel()
+        await asyncio.gather(handle.task, return_exceptions=True)  # its clean-up stops the ranks
     finally:
         await asyncio.to_thread(shutdown_ray)
     print(json.dumps(handle.ctx.status.summary, indent=2))
@@ -93,7 +98,7 @@ def main(
 
     registry = RunRegistry(load, backend_factory)  # type: ignore[arg-type]
     app = build_app(registry, token=token, on_shutdown=shutdown_ray)
-    serve(app, host or cfg.services.host, port or cfg.services.trainer_port)
+    serve(app, host or cfg.services.host, port or cfg.services.trainer_port, on_signal=registry.cancel)
 
 
 if __name__ == "__main__":

@@ -226,8 +226,16 @@ class RunRegistry:
             raise ServiceError(409, "no active run: POST /v1/runs first")
         return self.active
 
+    def cancel(self) -> None:
+        """A signal: the active run stops where it is, at once (a rollout or its offload, where a
+        checkpoint of the last step is safe, must not go on into the training after it). Once
+        only: a second cancel would cut the clean-up the first one started (that checkpoint)."""
+        task = self.active.task if self.active is not None else None
+        if task is not None and not task.done() and not task.cancelling():
+            task.cancel()
+
     async def aclose(self) -> None:
-        """Service shutdown: cancel the active run (its ranks are shut down by its clean-up)."""
-        if self.active is not None and self.active.task is not None and self.active.busy:
-            self.active.task.cancel()
+        """Service shutdown: cancel the active run and wait for its clean-up (which stops its ranks)."""
+        if self.active is not None and self.active.task is not None:
+            self.cancel()
             await asyncio.gather(self.active.task, return_exceptions=True)

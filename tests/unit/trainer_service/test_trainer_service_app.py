@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -175,6 +176,29 @@ async def test_a_request_the_run_ended_before_serving_is_409_not_502() -> None:
     with pytest.raises(ServiceError) as err:
         await _served(failed, None, Response(), "r", "weights.push", "weight push")
     assert err.value.status_code == 502
+
+
+async def test_the_shutdown_after_a_signal_lets_the_run_finish_its_clean_up() -> None:
+    """A signal cancels the run at once; the service's shutdown that follows cancels again. The
+    second must not cut the first's clean-up (where the last step is checkpointed) half-way."""
+    started, saved = asyncio.Event(), asyncio.Event()
+
+    async def run() -> None:
+        try:
+            started.set()
+            await asyncio.sleep(3600)  # a rollout
+        finally:
+            await asyncio.sleep(0.1)  # the checkpoint of the last step
+            saved.set()
+
+    registry = RunRegistry(lambda extra: None, lambda cfg: None)  # type: ignore[arg-type,return-value]
+    handle = SimpleNamespace(task=asyncio.create_task(run()))
+    registry.active = handle  # type: ignore[assignment]
+    await started.wait()
+    registry.cancel()  # the signal
+    await asyncio.sleep(0)
+    await registry.aclose()  # the lifespan's end
+    assert saved.is_set() and handle.task.cancelled()
 
 
 def test_stop_while_waiting_for_the_rollout_manager_ends_the_run(app_client: Any) -> None:

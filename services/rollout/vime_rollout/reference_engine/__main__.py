@@ -6,11 +6,13 @@ builder (`vime_rollout.engines.commands`).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 
+from vime.service import serve
 from vime.service_cli import run_command, setup_logging
 
 from .sampler import LogprobsMode
@@ -85,7 +87,6 @@ def main(
     from .app import build_app, served_model
     from .engine_core import EngineCore
     from .model_runner import ModelRunner
-    from .server import run
     from .tokenizer import load_tokenizer
     from .worker import build_worker
 
@@ -116,7 +117,19 @@ def main(
             worker=worker,
         )
 
-    run(build_app(core, served), host, port, log_level, uds)
+    app = build_app(core, served)
+    aborting: set[asyncio.Task[int]] = set()
+
+    def abort_all() -> None:
+        """Requests held by a pause or a sleep would keep the graceful shutdown waiting for a
+        resume that never comes: each gets its normal response with ``finish_reason="abort"``."""
+        started = getattr(app.state, "core", None)
+        if started is not None:
+            task = asyncio.ensure_future(started.abort(None))
+            aborting.add(task)  # the loop keeps only a weak reference
+            task.add_done_callback(aborting.discard)
+
+    serve(app, host, port, log_level, uds=uds, on_signal=abort_all)
 
 
 if __name__ == "__main__":
