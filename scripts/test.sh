@@ -12,4 +12,4 @@ echo "== ruff" && ruff check vime services tests bench
 echo "== ruff format" && ruff format --check vime services tests bench
 echo "== mypy" && mypy
 echo "== pytest"
-exec python -m pytest -q -ra "$@"
+exec python -m pytest -q -ra --durations=25 "$@"

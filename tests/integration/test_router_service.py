@@ -291,6 +291,36 @@ async def test_hung_vllm_router_is_replaced(router: RouterProcess) -> None:
         await control.aclose()
 
 
+async def test_a_worker_added_behind_the_services_back_is_removed_with_a_warning(
+    router: RouterProcess, engines: list[FakeEngineProcess], logs: Path
+) -> None:
+    """vllm-router's private port is on loopback, open to any process on the host: a worker added
+    there directly (generate traffic to a server nobody checked) is taken out by the next sync,
+    and the router's log says so; the engines the service placed are not named."""
+    rogue = start_fake_engine("rogue", logs)
+    procs.wait_healthy(rogue.url, rogue.child)
+    control = RouterClient(router.control_url, token=TOKEN)
+    try:
+        private = (await control.data_plane()).router_url
+        async with httpx.AsyncClient(base_url=private, timeout=15) as vllm_router:
+            added = await vllm_router.post("/workers", json={"url": rogue.url})
+            assert added.status_code in (200, 201, 202), added.text
+
+            async def removed() -> bool:
+                urls = [w["url"].rstrip("/") for w in (await vllm_router.get("/workers")).json()["workers"]]
+                return rogue.url not in urls
+
+            await poll_until(removed, timeout_s=10, interval_s=0.2, what="the rogue worker removed")
+        warnings = [
+            line for line in (logs / "router.log").read_text().splitlines() if "no registration" in line
+        ]
+        assert len(warnings) == 1 and rogue.url in warnings[0], warnings
+        assert not any(e.url in warnings[0] for e in engines)
+    finally:
+        stop_all([rogue.child])
+        await control.aclose()
+
+
 def _gone(pid: int) -> bool:
     """Exited (a zombie nobody has reaped yet counts as exited)."""
     try:

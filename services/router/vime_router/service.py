@@ -2,7 +2,9 @@
 
 `RouterService.sync()` is the one place vllm-router's worker list is changed: after every
 registration / removal / drain, every vllm-router (re)start (a restarted vllm-router starts empty
-and is refilled from the registry), and every `SYNC_INTERVAL_S` (a failed sync is tried again).
+and is refilled from the registry), and every `SYNC_INTERVAL_S` (a failed sync is tried again;
+vllm-router's private port is open to any process on the host, so a worker no registration put
+there is removed by the next sync, with a warning).
 The service judges no engine's health: registering checks once that the engine answers, and from
 then on the registrant says when it stops serving (DELETE, or drain).
 """
@@ -46,6 +48,8 @@ class RouterService:
         )
         self.filter_counts: dict[str, int] = {}
         self.sync_errors = 0
+        self.placed: set[str] = set(self.data_plane.placeholders.urls)
+        """Every URL this service ever asked vllm-router to serve (its start-up placeholders too)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -76,8 +80,10 @@ class RouterService:
     # --- syncing vllm-router's worker list ----------------------------------------------------
     async def sync(self) -> None:
         """Make vllm-router serve exactly the routable engines; raises 503 when it cannot."""
+        desired = self.registry.routable_urls()
+        self.placed |= desired
         try:
-            added, removed = await self.workers.sync(self.registry.routable_urls())
+            added, removed = await self.workers.sync(desired)
         except WorkerSyncError as exc:
             self.sync_errors += 1
             raise ServiceError(
@@ -85,6 +91,12 @@ class RouterService:
             ) from None
         if added or removed:
             log.info("data plane workers: +%s -%s", sorted(added), sorted(removed))
+        if foreign := removed - self.placed:
+            log.warning(
+                "vllm-router was serving %s, which no registration put there (a process on this "
+                "host called its private port): removed",
+                sorted(foreign),
+            )
 
     async def sync_quietly(self) -> None:
         with contextlib.suppress(ServiceError):
