@@ -100,8 +100,9 @@ class Controller:
         """Engines started (asleep when offloaded), trainer started (or resumed), weights v1 pushed."""
         resume = self.cfg.start_rollout_id is None
         self.ctx.events.record("run.start", num_rollout=self.cfg.num_rollout, resume=resume)
-        engines = await self.ops.wait_rollout_manager()  # 2
-        held = max((e.weight_version or 0 for e in engines), default=0)
+        rollout = await self.ops.wait_rollout_manager()  # 2
+        # The newest version the engines served, in an earlier run too (one restarted since holds 0).
+        held = max([rollout.weight_version, *(e.weight_version or 0 for e in rollout.engines)])
         state = await self.ops.start_trainer(resume)  # 3
         if state is None:  # a checkpoint already holds the warmed-up weights
             await self.warm_up()

@@ -19,7 +19,7 @@ from vime.clients.base import ServiceCallError
 from vime.clients.rollout import RolloutClient
 from vime.retry import poll_until
 from vime.wire.engine import PauseMode
-from vime.wire.rollout import LIVE, EngineInfo, MemoryResult, RolloutJob
+from vime.wire.rollout import LIVE, EngineInfo, EnginesStatus, MemoryResult, RolloutJob
 from vime.wire.trainer import CheckpointResult, PushResult
 from vime_trainer.batches import BatchRef, ShareSummary, TrainResult, log_skipped
 from vime_trainer.state import RunContext
@@ -78,11 +78,11 @@ class RunOps:
         """The last push's pause → resume seconds and each of its phases (``weights/<phase>_s``)."""
 
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
-    async def wait_rollout_manager(self, timeout_s: float = 900.0) -> list[EngineInfo]:
+    async def wait_rollout_manager(self, timeout_s: float = 900.0) -> EnginesStatus:
         """Step 2 happens in the rollout manager's start-up: wait until it serves, engines started."""
         last = "no answer yet"
 
-        async def ready() -> list[EngineInfo] | None:
+        async def ready() -> EnginesStatus | None:
             nonlocal last
             if self.ctx.stop_requested:
                 raise RunStopped()
@@ -99,7 +99,7 @@ class RunOps:
                 last = "no live engine yet"
                 return None
             self.events.record("rollout.ready", engines=len(status.engines), version=status.weight_version)
-            return status.engines
+            return status
 
         try:
             return await poll_until(ready, timeout_s=timeout_s, interval_s=1.0, what="the rollout manager")

@@ -265,6 +265,27 @@ def test_dead_engine_is_restarted_and_waits_for_weights() -> None:
     asyncio.run(main())
 
 
+def test_an_engine_a_push_left_out_leaves_the_router_until_it_holds_the_version() -> None:
+    """The trainer leaves out of a push an engine that was gone when it paused it; if the monitor
+    has not seen that yet, the engine still counts as serving, with the older weights."""
+
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=3)
+        await group.start()
+        await group.weights_loaded(1, None)
+        left_out = group.records[1]
+        await group.weights_loaded(2, [group.records[0].url, group.records[2].url])
+        assert left_out.status is EngineState.NEEDS_WEIGHTS and not left_out.registered
+        assert left_out.url in world.deregistered and left_out.weight_version == 1
+        assert [r.weight_version for r in group.serving()] == [2, 2]
+        await group.weights_loaded(2, [left_out.url])  # the catch-up push of the same version
+        assert left_out.status is EngineState.READY and left_out.registered
+        assert [r.status for r in group.records] == [EngineState.READY] * 3
+
+    asyncio.run(main())
+
+
 def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_once() -> None:
     async def main() -> None:
         world = StubWorld()

@@ -40,6 +40,8 @@ class EngineState:
     """``/update_weights`` answers 500 for this bucket index."""
     update_s: float = 0.0
     """How long ``/update_weights`` takes to load a bucket."""
+    gone: bool = False
+    """Every call answers 502, as an engine's gate does with no engine behind it."""
 
 
 class FakeEngines:
@@ -61,6 +63,12 @@ class FakeEngines:
     def _build(self) -> FastAPI:
         app = FastAPI()
         state = self.state
+
+        @app.middleware("http")
+        async def gate(request: Request, call_next: Any) -> Any:
+            if state(request).gone:
+                return JSONResponse({"error": "the engine did not answer: Bad Gateway"}, status_code=502)
+            return await call_next(request)
 
         @app.post("/pause")
         async def pause(

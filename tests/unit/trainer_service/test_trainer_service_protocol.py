@@ -132,6 +132,38 @@ async def test_a_failed_bucket_leaves_engines_paused_with_the_session_closed() -
     assert transport.closed == 1 and "weights.finish" not in events
 
 
+async def test_an_engine_gone_at_the_pause_is_left_out_and_the_others_get_the_version() -> None:
+    """An engine that died after the rollout (its gate answers 502) must not fail the run's push:
+    the others load the version; the report names only them, for the rollout manager."""
+    engines, transport = FakeEngines(3), FakeTransport(2)
+    engines.states["http://e1"].gone = True
+    sync, events = _sync(engines, transport)
+    report = await sync.push(_infos(engines), version=4, flush=True)
+    assert report.engines == ["http://e0", "http://e2"] and report.buckets == 2
+    for url in report.engines:
+        s = engines.states[url]
+        assert [c[0] for c in s.calls][-1] == "resume" and s.version == "4" and s.paused is None
+    assert engines.states["http://e1"].calls == [] and "weights.engine_gone" in events
+    for s in engines.states.values():
+        s.gone = True
+    report = await sync.push(_infos(engines), version=5, flush=True)
+    assert report.engines == [] and report.buckets == 0  # nobody to load: the restarts are caught up
+
+
+async def test_a_gone_engine_beside_a_failing_one_still_fails_the_push() -> None:
+    engines = FakeEngines(2)
+    engines.states["http://e0"].gone = True
+    engines.states["http://e1"].weights_asleep = True  # a refusal is not an absence
+    sync, _ = _sync(engines, FakeTransport(2))
+    with pytest.raises(WeightSyncError, match="weights are asleep"):
+        await sync.push(_infos(engines), version=2, flush=False)
+    engines = FakeEngines(2)
+    engines.states["http://e1"].fail_update_at = 0  # gone-ness counts at the pause only
+    sync, _ = _sync(engines, FakeTransport(2))
+    with pytest.raises(WeightSyncError, match="update_weights failed"):
+        await sync.push(_infos(engines), version=2, flush=False)
+
+
 async def test_engine_with_weights_asleep_refuses_and_the_push_fails() -> None:
     engines = FakeEngines(1)
     engines.states["http://e0"].weights_asleep = True

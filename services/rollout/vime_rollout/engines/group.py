@@ -253,7 +253,9 @@ class EngineGroup:
         return self.live()
 
     async def weights_loaded(self, version: int, urls: list[str] | None) -> list[EngineRecord]:
-        """The trainer pushed ``version`` to ``urls`` (None: every live engine); those waiting serve again."""
+        """The trainer pushed ``version`` to ``urls`` (None: every live engine); those waiting serve
+        again. A serving engine the push left out (it was gone when the push came) holds older
+        weights: it leaves the router until a push brings it this version."""
         known = {r.url: r for r in self.records}
         unknown = sorted(set(urls or ()) - known.keys())
         if unknown:
@@ -265,4 +267,11 @@ class EngineGroup:
             if rec.status is EngineState.NEEDS_WEIGHTS:
                 rec.status = EngineState.READY
                 await self.register(rec)
+        for rec in self.serving():
+            if (rec.weight_version or 0) < version:
+                log.warning(
+                    "%s missed the push of v%d: out of the router until it holds it", rec.spec.name, version
+                )
+                rec.status = EngineState.NEEDS_WEIGHTS
+                await self.deregister(rec)
         return targets

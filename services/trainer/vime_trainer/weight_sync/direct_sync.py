@@ -282,7 +282,7 @@ class DirectSync(WeightSync):
     ) -> PushReport:
         report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
 
-        async def load(clients: dict[str, EngineClient]) -> None:
+        async def load(clients: dict[str, EngineClient], engines: Sequence[EngineInfo]) -> None:
             await self._load(report, engines, clients)
             labelled = {u: c for u, c in clients.items() if self.labels.get(u)}
             if labelled:

@@ -18,8 +18,12 @@ Every call of a push goes to all engines at once; each phase is timed apart (`Pu
 and the ``seconds`` of its ``weights.<phase>`` event). ``engine.weight_load: direct`` replaces
 47–51 by the engines' direct-load extension (`direct_sync`).
 
-A push that fails after the pause leaves the engines paused: serving half-updated weights would
-be worse than not serving. The update session is closed best-effort so a later push can start.
+An engine that is gone when the push pauses it (no connection, or its gate's 502: nothing behind
+it) is left out of the push, with a warning and a ``weights.engine_gone`` event; the others get
+the version, and the rollout manager, told which engines loaded it, keeps the one left out of the
+router until it holds it (its restart is caught up). A push that fails after the pause leaves the
+engines paused: serving half-updated weights would be worse than not serving. The update session
+is closed best-effort so a later push can start.
 The caller must have woken the engines' ``weights`` first — vLLM has no guard.
 """
 
@@ -64,6 +68,13 @@ class PushReport:
     """How the engines loaded the weights: ``vllm`` (its weight loaders) or ``direct``."""
 
 
+def engine_gone(exc: BaseException) -> bool:
+    """No engine behind the URL: no connection, or the gate in front of it answering 502."""
+    return isinstance(exc, ServiceUnreachable) or (
+        isinstance(exc, ServiceCallError) and exc.status_code == 502
+    )
+
+
 def no_event(action: str, **detail: Any) -> None:
     return None
 
@@ -104,7 +115,7 @@ class WeightSync:
         if not engines:
             return report
 
-        async def load(clients: dict[str, EngineClient]) -> None:
+        async def load(clients: dict[str, EngineClient], engines: Sequence[EngineInfo]) -> None:
             init_info = getattr(self.transport, "init_info", None)
             if init_info is not None:
                 await self._phase(report, "init", clients, lambda c: c.init_weight_transfer_engine(init_info))
@@ -125,20 +136,31 @@ class WeightSync:
         report: PushReport,
         engines: Sequence[EngineInfo],
         mode: PauseMode,
-        load: Callable[[dict[str, EngineClient]], Awaitable[None]],
+        load: Callable[[dict[str, EngineClient], Sequence[EngineInfo]], Awaitable[None]],
     ) -> PushReport:
         """Seed step 46 (pause; the prefix-cache flush when the report is ``flushed``), ``load``, step 52 (resume), timed into
-        ``report``; every engine client closed after, whatever failed."""
+        ``report``; engines gone at the pause are left out; every engine client closed after, whatever failed."""
         clients = {e.url: self.client_factory(e.url) for e in engines}
+        closing = list(clients.values())
         start = time.perf_counter()
         try:
-            await self._phase(report, "pause", clients, lambda c: c.pause(mode, clear_cache=False), mode=mode)
-            if report.flushed:
-                await self._phase(report, "flush", clients, self._reset_prefix_cache)
-            await load(clients)
-            await self._phase(report, "resume", clients, lambda c: c.resume())
+            pause: dict[str, Awaitable[Any]] = {
+                url: c.pause(mode, clear_cache=False) for url, c in clients.items()
+            }
+            t0 = time.perf_counter()
+            for url in await _fan_out("pause", pause, leave_out=engine_gone):
+                del clients[url]
+                report.engines.remove(url)
+                self.on_event("weights.engine_gone", url=url, version=report.version)
+            report.phases["pause"] = seconds = time.perf_counter() - t0
+            self.on_event("weights.pause", seconds=round(seconds, 4), mode=mode)
+            if clients:
+                if report.flushed:
+                    await self._phase(report, "flush", clients, self._reset_prefix_cache)
+                await load(clients, [e for e in engines if e.url in clients])
+                await self._phase(report, "resume", clients, lambda c: c.resume())
         finally:
-            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+            await asyncio.gather(*(c.aclose() for c in closing), return_exceptions=True)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -220,16 +242,27 @@ def _update_call(client: EngineClient, bucket: OutgoingBucket, engine: EngineInf
     return client.update_weights(bucket.update_info(engine), timeout=UPDATE_TIMEOUT_S)
 
 
-async def _fan_out(phase: str, calls: dict[str, Awaitable[Any]]) -> None:
-    """Await one call per engine concurrently; any failure is a WeightSyncError naming the engines."""
+async def _fan_out(
+    phase: str, calls: dict[str, Awaitable[Any]], *, leave_out: Callable[[BaseException], bool] | None = None
+) -> list[str]:
+    """Await one call per engine concurrently; any failure is a WeightSyncError naming the engines,
+    except, when every failure is one ``leave_out`` accepts, the engines that failed are returned
+    (each with a warning)."""
     results = await asyncio.gather(*calls.values(), return_exceptions=True)
     failed = {url: r for url, r in zip(calls, results, strict=True) if isinstance(r, BaseException)}
     for r in failed.values():
         if isinstance(r, asyncio.CancelledError | KeyboardInterrupt):
             raise r
+    if failed and leave_out is not None and all(leave_out(e) for e in failed.values()):
+        for url, e in failed.items():
+            log.warning(
+                "%s: %s is gone (%s: %s); the push goes on without it", phase, url, type(e).__name__, e
+            )
+        return list(failed)
     if failed:
         detail = "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failed.items())
         raise WeightSyncError(f"{phase} failed on {len(failed)} engine(s): {detail}")
+    return []
 
 
 def _next_or_none(it: Iterator[T]) -> T | None:
