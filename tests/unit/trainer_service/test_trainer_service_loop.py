@@ -174,6 +174,17 @@ async def test_resume_continues_at_the_checkpoint_with_the_same_versions() -> No
     assert run.ctx.status.start_rollout_id == 1
 
 
+async def test_a_new_run_starts_above_the_version_the_stack_served_when_the_engines_restarted() -> None:
+    """An earlier run on this stack reached v2 and its engine was restarted since (it holds 0):
+    the rollout manager refuses a version below its own, so the first push is v3, not v1."""
+    run = Run("num_rollout=1", version=2)
+    for e in run.rollout.engines_:
+        e.weight_version = 0
+    assert await run.go() is RunState.FINISHED
+    loaded = [v for name, v in run.rollout.calls if name == "weights_loaded"]
+    assert [v[0] for v in loaded] == [3, 4]
+
+
 async def test_admission_a_finished_run_left_paused_opens_at_training_ready() -> None:
     run = Run()
     run.rollout.admission_paused = True  # the previous run's last step skipped step 53
