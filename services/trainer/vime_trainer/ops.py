@@ -316,16 +316,23 @@ class RunOps:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _weights_awake(self, targets: list[EngineInfo]) -> list[EngineInfo]:
-        """Never push into sleeping weights (vLLM has no guard): wake them, or refuse."""
+        """Never push into sleeping weights (vLLM has no guard): wake them, or refuse. An engine
+        whose wake failed (it died while asleep, before the monitor saw it) is left out of the push:
+        the rollout manager keeps it out of the router until a push brings it the version."""
         if not any("weights" in e.asleep for e in targets):
             return targets
         result = await self.rollout.onload(["weights"])
         self._memory_event(result, tags=result.tags_sent, reason="push guard")
         now = {e.url: e for e in (await self.rollout.engines()).engines}
-        still = [e.url for e in targets if "weights" in now.get(e.url, e).asleep]
+        asleep = [e.url for e in targets if "weights" in now.get(e.url, e).asleep]
+        failed = [u for u in asleep if result.results.get(u, "").startswith("error")]
+        still = [u for u in asleep if u not in failed]
         if still:
             raise RunError(f"engine weights still asleep after wake_up, refusing to push: {', '.join(still)}")
-        return [now.get(e.url, e) for e in targets]
+        for url in failed:
+            log.warning("%s did not wake (%s): left out of this push", url, result.results[url])
+            self.events.record("weights.engine_gone", url=url, reason=result.results[url])
+        return [now.get(e.url, e) for e in targets if e.url not in failed]
 
     # --- checkpoints and eval -------------------------------------------------------------------
     async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:

@@ -286,6 +286,43 @@ def test_an_engine_a_push_left_out_leaves_the_router_until_it_holds_the_version(
     asyncio.run(main())
 
 
+def test_a_paused_monitor_marks_an_exited_engine_dead_and_restarts_it_once_resumed() -> None:
+    """While the engines sleep (the trainer may be using their GPU memory) an engine whose process
+    exited is dead at once — out of the router, the memory calls and the pushes — and restarted
+    only when the monitor resumes."""
+
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=2)
+        await group.start()
+        await group.weights_loaded(1, None)
+        monitor = HealthMonitor(group, interval_s=0.01, failure_threshold=2)
+        monitor.pause("offload")
+        for rec in group.records:
+            rec.asleep = {"weights", "kv_cache"}
+        victim = group.records[0]
+        world.processes[victim.url].running = False
+        monitor.start()
+
+        async def dead() -> bool:
+            return victim.status is EngineState.DEAD
+
+        await poll_until(dead, timeout_s=5, interval_s=0.01, what="the exited engine marked dead")
+        assert victim.url in world.deregistered and group.live() == [group.records[1]]
+        await asyncio.sleep(0.05)
+        assert world.starts.count(victim.url) == 1 and victim.status is EngineState.DEAD  # no restart yet
+        monitor.resume("offload")
+
+        async def waiting() -> bool:
+            return victim.status is EngineState.NEEDS_WEIGHTS
+
+        await poll_until(waiting, timeout_s=5, interval_s=0.01, what="restarted after the resume")
+        assert world.starts.count(victim.url) == 2
+        await monitor.stop()
+
+    asyncio.run(main())
+
+
 def test_monitor_waits_while_paused_and_before_the_first_push_re_registers_at_once() -> None:
     async def main() -> None:
         world = StubWorld()

@@ -235,6 +235,20 @@ async def test_the_push_guard_refuses_engines_whose_weights_stay_asleep() -> Non
     assert ("release_update_lock", "L0") in run.rollout.calls
 
 
+async def test_an_engine_that_does_not_wake_for_the_push_is_left_out_of_it() -> None:
+    """It died while asleep and the monitor has not seen it yet: the run goes on without it (the
+    rollout manager keeps it out of the router until a push brings it the version)."""
+    run = Run()
+    run.rollout.fail_wake = {"http://e1"}
+    assert await run.go() is RunState.FINISHED
+    loaded = [v for name, v in run.rollout.calls if name == "weights_loaded"]
+    assert [v for v in loaded if v[1]] == [(1, ("http://e0",)), (2, ("http://e0",)), (3, ("http://e0",))]
+    assert all(urls in ((), ("http://e0",)) for _, urls in loaded)  # () : a catch-up that reached nobody
+    assert not any(c[0] == "update_weights" for c in run.engines.states["http://e1"].calls)
+    gone = {e.detail["url"] for e in run.events.events if e.action == "weights.engine_gone"}
+    assert gone == {"http://e1"}
+
+
 async def test_eval_every_interval_runs_with_admission_still_paused_after_the_last_step() -> None:
     run = Run("eval_interval=1")
     await run.go()

@@ -47,6 +47,8 @@ class FakeRollout:
         self.eval_available = True
         self.keep_asleep: set[str] = set()
         """Engines whose weights stay asleep whatever is asked (a broken wake)."""
+        self.fail_wake: set[str] = set()
+        """Engines whose wake fails (dead behind their gate, the monitor not knowing yet)."""
 
     def _status(self) -> EnginesStatus:
         return EnginesStatus(
@@ -69,7 +71,7 @@ class FakeRollout:
             raise ServiceCallError("POST", "/v1/rollouts", 400, "no eval dataset configured")
         if self.admission_paused and not evaluation:  # admission gates training rollouts only
             raise AssertionError("rollout while admission is paused")
-        if any(e.asleep for e in self.engines_):
+        if any(e.asleep for e in self.engines_ if e.url not in self.fail_wake):  # those are dead
             raise AssertionError("rollout while engines are offloaded")
         if evaluation:
             return RolloutJob(
@@ -116,10 +118,17 @@ class FakeRollout:
     async def onload(self, tags: list[str] | None = None) -> MemoryResult:
         self.calls.append(("onload", tags))
         sent = [t for t in (tags or ["weights", "kv_cache"]) if t in ("weights", "kv_cache")]
+        results = {}
         for e in self.engines_:
+            if e.url in self.fail_wake:
+                results[e.url] = (
+                    f"error: ServiceCallError: POST {e.url}/wake_up -> 502: the engine did not answer"
+                )
+                continue
             if e.url not in self.keep_asleep:
                 e.asleep = [t for t in e.asleep if t not in sent]
-        return MemoryResult(action="onload", tags_sent=sent, results={e.url: "ok" for e in self.engines_})
+            results[e.url] = "ok"
+        return MemoryResult(action="onload", tags_sent=sent, results=results)
 
     async def update_lock(self, ttl_s: float = 600.0) -> UpdatableEngines:
         self.calls.append(("update_lock", None))

@@ -2,9 +2,11 @@
 keeps the router holding exactly the engines that serve.
 
 Paused while engines are offloaded (seed step 33: a sleeping engine is not a dead one) and while
-the trainer holds the weight-update lock. An engine is dead when its process exited (seen at the
-next check) or when ``failure_threshold`` probes in a row failed; it is taken out of the router at
-once. A restarted engine comes back with the checkpoint's weights: if the trainer has pushed any
+the trainer holds the weight-update lock; paused, it still looks for engine processes that exited
+and marks them dead — out of the router and of the memory calls and pushes, which would fail on
+them — leaving their restart (GPU memory the trainer may be using) for when it resumes. An engine
+is dead when its process exited (seen at the next check) or when ``failure_threshold`` probes in a
+row failed; it is taken out of the router at once. A restarted engine comes back with the checkpoint's weights: if the trainer has pushed any
 since (version > 0) it waits as ``needs_weights``, out of the router, until the trainer pushes and
 reports them loaded; otherwise it serves at once. An engine attached by URL (external) cannot be
 restarted: it is taken out while it fails and put back when it answers again. Each round ends by
@@ -18,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 
-from vime.wire.rollout import EngineState
+from vime.wire.rollout import LIVE, EngineState
 from vime_rollout.engines.control import HEALTH_TIMEOUT_S, healthy
 from vime_rollout.engines.group import EngineGroup
 from vime_rollout.engines.records import EngineRecord
@@ -76,11 +78,16 @@ class HealthMonitor:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if not self.paused:
-                try:
-                    await self.check_once()
-                except Exception:  # the monitor must outlive any one bad probe
-                    log.exception("health check failed")
+            try:
+                await (self.find_exited() if self.paused else self.check_once())
+            except Exception:  # the monitor must outlive any one bad probe
+                log.exception("health check failed")
+
+    async def find_exited(self) -> None:
+        """While paused: engines whose process exited are dead (no probe, no restart yet)."""
+        for rec in self.group.records:
+            if rec.status in LIVE and rec.process is not None and rec.process.alive() is False:
+                await self._dead(rec, "process exited")
 
     async def check_once(self) -> None:
         """Probe each engine once (a restart task for each newly dead one), then sync the router."""
@@ -99,12 +106,14 @@ class HealthMonitor:
             return
         rec.failures += 1
         if rec.status is not EngineState.DEAD and (exited or rec.failures >= self.failure_threshold):
-            rec.status = EngineState.DEAD
-            rec.last_error = "process exited" if exited else f"{rec.failures} failed health probes"
-            log.warning("%s at %s is dead (%s)", rec.spec.name, rec.url, rec.last_error)
-            await self.group.deregister(rec)
+            await self._dead(rec, "process exited" if exited else f"{rec.failures} failed health probes")
         if rec.status is EngineState.DEAD and self.group.launcher.can_restart:
             self._restarts[rec.url] = asyncio.create_task(self._restart(rec), name=f"restart-{rec.spec.name}")
+
+    async def _dead(self, rec: EngineRecord, why: str) -> None:
+        rec.status, rec.last_error = EngineState.DEAD, why
+        log.warning("%s at %s is dead (%s)", rec.spec.name, rec.url, why)
+        await self.group.deregister(rec)
 
     async def _restart(self, rec: EngineRecord) -> None:
         try:
