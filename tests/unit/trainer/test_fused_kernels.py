@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
-from vime_trainer.megatron.fused import fused_rotary, rotary, use_fused_kernels
+from vime_trainer.megatron.fused import cos_sin, fused_rotary, rotary, use_fused_kernels
+from vime_trainer.megatron.logprobs import _compiled_stats, local_stats
 
 SEQ, BATCH, HEADS, DIM = 7, 2, 3, 16
 
@@ -46,6 +47,15 @@ def test_rotary_equals_megatron_with_gradients(rot: int) -> None:
     if rot < DIM:
         torch.testing.assert_close(out[..., rot:], t[..., rot:], rtol=0, atol=0)
     assert not torch.allclose(out, t)  # the rotation did something
+
+
+def test_cos_sin_is_computed_once_per_frequency_tensor() -> None:
+    freqs = _angles(DIM)
+    first = cos_sin(freqs)
+    assert cos_sin(freqs) is first  # every layer's query and key reuse it
+    torch.testing.assert_close(first[0], freqs.cos(), rtol=0, atol=0)
+    other = cos_sin(_angles(DIM) * 2)  # a new forward's tensor gets its own
+    assert other is not first and not torch.allclose(other[1], first[1])
 
 
 def test_hook_lets_the_config_turn_fusion_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,3 +103,27 @@ def test_fused_swiglu_equals_silu_product_in_bf16() -> None:
     want, want_grad = _grad(unfused, y, y)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grad.float(), want_grad.float(), rtol=2e-2, atol=2e-2)
+
+
+def _stats_and_grads(fn, logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):  # type: ignore[no-untyped-def]
+    x = logits.detach().clone().requires_grad_()
+    shift = x.detach().amax(-1).float() / 0.7
+    outs = fn(x, shift, targets, 0.7, True, entropy_grad)
+    sum(o.sum() * (k + 1) for k, o in enumerate(outs) if o.requires_grad).backward()
+    assert x.grad is not None
+    return [o.detach() for o in outs], x.grad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on the GPU")
+@pytest.mark.parametrize("entropy_grad", [True, False])
+@pytest.mark.parametrize("rows", [5, 13])  # a second chunk length: the compiled graph is reused
+def test_compiled_log_prob_stats_equal_eager_in_bf16(rows: int, entropy_grad: bool) -> None:
+    logits = (torch.randn(rows, 1000, device="cuda") * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 1000, (rows,), device="cuda")
+    targets[0] = -1  # the target lies in another TP rank's slice
+    got, got_grad = _stats_and_grads(_compiled_stats(), logits, targets, entropy_grad)
+    want, want_grad = _stats_and_grads(local_stats, logits, targets, entropy_grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert got[1][0] == 0  # nothing picked from another slice
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-2, atol=1e-2)

@@ -20,33 +20,53 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 
-def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE of ``t`` ``[s, b, h, d]`` at angles ``freqs`` ``[s, 1, 1, d_rot]``, in fp32, rounded once.
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t`` ``[s, b, h, d]`` given ``cos``/``sin`` of its angles ``[s, 1, 1, d_rot]``, in fp32, rounded once.
 
     The same rotation as Megatron's ``_apply_rotary_pos_emb_bshd`` (halves, not interleaved; the
     ``d − d_rot`` trailing channels pass through), which rounds cos/sin and each product to
     ``t``'s dtype; TransformerEngine's kernel, like this one, computes in fp32.
     """
-    rot = freqs.shape[-1]
+    rot = cos.shape[-1]
     x = t[..., :rot].float()
     x1, x2 = x.chunk(2, dim=-1)
-    out = x * freqs.cos() + torch.cat((-x2, x1), dim=-1) * freqs.sin()
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     if rot == t.shape[-1]:
         return out.to(t.dtype)
     return torch.cat((out.to(t.dtype), t[..., rot:]), dim=-1)
 
 
+def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """`rotate` at angles ``freqs`` ``[s, 1, 1, d_rot]``."""
+    return rotate(t, freqs.cos(), freqs.sin())
+
+
 @cache
-def _compiled_rotary() -> Any:
+def _compiled_rotate() -> Any:
     # dynamic: one graph for every micro-batch length (packed budgets change it each step)
-    return torch.compile(rotary, dynamic=True)
+    return torch.compile(rotate, dynamic=True)
+
+
+def cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of ``freqs``, computed on its first use and kept on the tensor itself.
+
+    Megatron passes one frequency tensor per forward to every layer, for the query and the key
+    alike: 2 × layers calls (72 on Qwen3-4B) share one cos/sin, which dies with the tensor. Evaluating
+    them in every call was half of the kernel's time on the H200 (docs/benchmarks.md).
+    """
+    kept: tuple[torch.Tensor, torch.Tensor] | None = getattr(freqs, "_vime_cos_sin", None)
+    if kept is None:
+        f = freqs.detach().float()
+        kept = (f.cos(), f.sin())
+        freqs._vime_cos_sin = kept  # type: ignore[attr-defined]
+    return kept
 
 
 def fused_rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """`rotary` compiled into one kernel (forward and backward); the signature Megatron calls."""
+    """`rotate` compiled into one kernel (forward and backward); the signature Megatron calls."""
     if interleaved:
         raise NotImplementedError("interleaved RoPE has no fused kernel here")
-    return _compiled_rotary()(t, freqs)
+    return _compiled_rotate()(t, *cos_sin(freqs))
 
 
 def use_fused_kernels() -> dict[str, bool]:

@@ -21,6 +21,7 @@ truncated distribution, and the mismatch metric shows the renormalisation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,42 @@ LOGPROBS_RANGE = "vime/logprobs"
 """Profiler range around each chunk's output layer and log-prob/entropy computation."""
 
 
+def local_stats(
+    logits: torch.Tensor,
+    shift: torch.Tensor,
+    local_target: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's sums over its vocabulary slice: (Σ exp, the target's shifted logit, Σ exp·shifted).
+
+    ``shifted`` is ``logits / temperature − shift`` in fp32; ``local_target`` is −1 where the target
+    is in another rank's slice (its term is 0). On the GPU this runs compiled (`_compiled_stats`):
+    the fp32 ``[n, vocab/tp]`` intermediates stay in registers, forward and backward.
+    """
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    shifted = x - shift.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    in_range = local_target >= 0
+    picked = shifted.gather(-1, local_target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * in_range
+    if not with_entropy:
+        return sum_exp, picked, torch.zeros_like(sum_exp)
+    if not entropy_grad:
+        shifted, exp = shifted.detach(), exp.detach()
+    return sum_exp, picked, (exp * shifted).sum(dim=-1)
+
+
+@cache
+def _compiled_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    # the chunk's row count changes (the last chunk is shorter): the default automatic-dynamic
+    # recompiles once and then treats it as symbolic, keeping the vocabulary size static
+    return torch.compile(local_stats)  # type: ignore[return-value]
+
+
 def token_stats(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -42,32 +79,31 @@ def token_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), entropy) per row of vocab-parallel ``logits [n, vocab/tp]`` / ``temperature``; fp32.
 
-    With ``entropy_grad`` False the entropy is a metric only: computed without autograd, so it adds
-    no saved tensors and no backward work.
+    With ``entropy_grad`` False the entropy is a metric only: it adds no backward work.
     """
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
     tp_group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
-    local_max = logits.detach().max(dim=-1).values
+    # max(x / T) = max(x) / T exactly: division by T > 0 is monotonic, rounding included
+    local_max = logits.detach().amax(dim=-1).float()
+    if temperature != 1.0:
+        local_max = local_max / temperature
     if tp > 1:
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - local_max.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1).contiguous())
+    vocab = logits.shape[-1]
+    local_target = targets - ps.get_tensor_model_parallel_rank() * vocab
+    local_target = torch.where((local_target >= 0) & (local_target < vocab), local_target, -1)
+    stats = _compiled_stats() if logits.is_cuda else local_stats
+    sum_exp, picked, weighted = stats(
+        logits, local_max, local_target, temperature, with_entropy, entropy_grad
+    )
+    sum_exp = reduce_from_tensor_model_parallel_region(sum_exp.contiguous())
     log_norm = sum_exp.log()
-    vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    local_target = targets - vocab_start
-    in_range = (local_target >= 0) & (local_target < logits.shape[-1])
-    picked = shifted.gather(-1, local_target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_tensor_model_parallel_region((picked * in_range).contiguous())
-    log_probs = target_logit - log_norm
+    log_probs = reduce_from_tensor_model_parallel_region(picked.contiguous()) - log_norm
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
+    # H = log Z − Σ p·shifted, with Σ p·shifted = Σ exp·shifted / Z (summed over TP's slices).
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # H = log Z − Σ p·shifted, with Σ p·shifted = Σ exp·shifted / Z (summed over TP's slices).
-        weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1).contiguous())
+        weighted = reduce_from_tensor_model_parallel_region(weighted.contiguous())
         return log_probs, log_norm - weighted / sum_exp
 
 
