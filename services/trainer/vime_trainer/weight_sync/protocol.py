@@ -144,16 +144,18 @@ class WeightSync:
         closing = list(clients.values())
         start = time.perf_counter()
         try:
-            pause: dict[str, Awaitable[Any]] = {
-                url: c.pause(mode, clear_cache=False) for url, c in clients.items()
-            }
-            t0 = time.perf_counter()
-            for url in await _fan_out("pause", pause, leave_out=engine_gone):
+            gone = await self._phase(
+                report,
+                "pause",
+                clients,
+                lambda c: c.pause(mode, clear_cache=False),
+                leave_out=engine_gone,
+                mode=mode,
+            )
+            for url in gone:
                 del clients[url]
                 report.engines.remove(url)
                 self.on_event("weights.engine_gone", url=url, version=report.version)
-            report.phases["pause"] = seconds = time.perf_counter() - t0
-            self.on_event("weights.pause", seconds=round(seconds, 4), mode=mode)
             if clients:
                 if report.flushed:
                     await self._phase(report, "flush", clients, self._reset_prefix_cache)
@@ -202,14 +204,18 @@ class WeightSync:
         name: str,
         clients: dict[str, EngineClient],
         call: Callable[[EngineClient], Awaitable[Any]],
+        *,
+        leave_out: Callable[[BaseException], bool] | None = None,
         **detail: Any,
-    ) -> None:
-        """One call on every engine at once, timed; event ``weights.<name>`` (not for ``init``)."""
+    ) -> list[str]:
+        """One call on every engine at once, timed; event ``weights.<name>`` (not for ``init``);
+        returns the engines left out (`_fan_out`)."""
         t0 = time.perf_counter()
-        await _fan_out(name, {url: call(c) for url, c in clients.items()})
+        gone = await _fan_out(name, {url: call(c) for url, c in clients.items()}, leave_out=leave_out)
         report.phases[name] = seconds = time.perf_counter() - t0
         if name != "init":
             self.on_event(f"weights.{name}", seconds=round(seconds, 4), **detail)
+        return gone
 
     async def aclose(self) -> None:
         """Release what the sync holds across pushes (nothing for the stock push)."""
