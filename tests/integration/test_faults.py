@@ -1,8 +1,8 @@
 """A run survives any single fault of the stack, injected by PID inside a rollout: a reference
-engine killed (the only one, at weight version > 0), the router service killed (and vllm-router
+engine killed (the only one, at weight version > 0; once inside a rollout, once asleep while the trainer trains), the router service killed (and vllm-router
 behind it), the reward service stopped for a while, Redis killed. One stack started by `vime up`
 (Redis, router with vllm-router and Caddy, reward, rollout manager with one CPU reference engine,
-trainer) serves every test; each starts its own run over the trainer's REST API, from rollout 0 on
+trainer; colocated: the engine sleeps while the trainer trains) serves every test; each starts its own run over the trainer's REST API, from rollout 0 on
 the same rollout manager (a run never gets an earlier run's rollout of the same id back).
 
 Each run must finish with every rollout trained exactly once: one metrics.jsonl line per rollout,
@@ -97,6 +97,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
     cfg = stack_config(
         work,
         num_rollout=NUM_ROLLOUT,
+        colocate=True,  # as on a GPU: the engine sleeps while the trainer trains
         engine__health_check_interval_s=1.0,
         reward__stall_warning_s=STALL_WARNING_S,
     )
@@ -235,6 +236,48 @@ def test_the_only_engine_killed_inside_a_rollout_is_restarted_and_caught_up(stac
     # faulted rollout, or in the next when the kill came after the last generate returned.
     catch_ups = [at for (at, v), (_, before) in zip(pushes[1:], pushes, strict=False) if v == before]
     assert len(catch_ups) == 1 and catch_ups[0] in (run.landed[0], run.landed[0] + 1), pushes
+
+
+def test_the_only_engine_killed_while_the_engines_sleep_is_restarted_after_the_training(
+    stack: FaultStack,
+) -> None:
+    """Killed while the trainer trains (the engine asleep, its memory the trainer's): the paused
+    health monitor marks it dead and holds its restart until the engines' wake; the push after the
+    training goes on without it; the restarted engine is caught up before the next rollout uses
+    it. The training ranks are frozen from inside the rollout until the kill is seen, so the kill
+    lands while the engine sleeps (a CPU step trains in a fraction of a second)."""
+    killed: list[int] = []
+
+    def engine() -> dict[str, Any]:
+        return dict(httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"][0])
+
+    def kill_asleep_engine(status: dict[str, Any]) -> bool:
+        trainer = stack.service_pid("vime_trainer")
+        ranks = [pid for pid, cmd in descendants(trainer).items() if "RankActor" in cmd]
+        assert ranks, descendants(trainer)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while not engine()["asleep"] or stack.run_status(status["run_id"])["phase"] == "rollout":
+                assert time.monotonic() < deadline, (engine(), stack.run_status(status["run_id"]))
+                time.sleep(0.05)
+            pid = int(engine()["pid"])
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+            while (state := engine()["status"]) == "ready":  # the paused monitor sees the exit
+                assert time.monotonic() < deadline, state
+                time.sleep(0.1)
+            assert state == "dead", state  # not restarted while the trainer may hold its memory
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        return True
+
+    run = run_with_faults(stack, "asleep", engine_killed=kill_asleep_engine)
+    now = engine()
+    assert now["restarts"] >= 1 and now["pid"] != killed[0]
+    assert now["status"] == "ready" and now["weight_version"] == run.status["weight_version"]
 
 
 def test_the_router_service_and_vllm_router_killed_mid_run(stack: FaultStack) -> None:
