@@ -1,9 +1,11 @@
 """A run survives any single fault of the stack, injected by PID inside a rollout: a reference
-engine killed (the only one, at weight version > 0; once inside a rollout, once asleep while the trainer trains), the router service killed (and vllm-router
-behind it), the reward service stopped for a while, Redis killed. One stack started by `vime up`
-(Redis, router with vllm-router and Caddy, reward, rollout manager with one CPU reference engine,
-trainer; colocated: the engine sleeps while the trainer trains) serves every test; each starts its own run over the trainer's REST API, from rollout 0 on
-the same rollout manager (a run never gets an earlier run's rollout of the same id back).
+engine killed (the only one, at weight version > 0; once inside a rollout, once asleep while the
+trainer trains), the router service killed (and vllm-router behind it), the reward service stopped
+for a while, Redis killed. One stack started by `vime up` (Redis, router with vllm-router and
+Caddy, reward, rollout manager with one CPU reference engine, trainer; colocated: the engine sleeps
+while the trainer trains) serves every test; each starts its own run over the trainer's REST API,
+from rollout 0 on the same rollout manager (a run never gets an earlier run's rollout of the same
+id back).
 
 Each run must finish with every rollout trained exactly once: one metrics.jsonl line per rollout,
 one trained batch per rollout in the trainer's events, each that rollout's entry in the Redis
