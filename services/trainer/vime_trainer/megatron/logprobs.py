@@ -3,7 +3,8 @@
 The loss needs one log-prob per response token, not full-vocabulary fp32 logits for every position
 of the batch (9 GB at 8 × 2048 tokens × 152k vocab). So only the hidden states that predict
 response tokens are gathered, and they go through the output layer ``chunk_size`` tokens at a
-time; each chunk's logits are upcast to fp32, reduced to (log-prob, entropy), and dropped. While
+time; each chunk's logits are upcast to fp32, reduced to (log-prob, entropy), and dropped (on the
+GPU fused by ``torch.compile``, `local_stats`). While
 training, each chunk runs under activation checkpointing, so backward recomputes its logits
 instead of keeping every chunk's alive: no more than one chunk's ``[chunk, vocab]`` fp32 tensors
 exist at a time, for the log-probs and the entropy alike. Under TP each rank holds a vocabulary
@@ -46,7 +47,8 @@ def local_stats(
 
     ``shifted`` is ``logits / temperature − shift`` in fp32; ``local_target`` is −1 where the target
     is in another rank's slice (its term is 0). On the GPU this runs compiled (`_compiled_stats`):
-    the fp32 ``[n, vocab/tp]`` intermediates stay in registers, forward and backward.
+    a few fused kernels forward and backward instead of one per operation over ``[n, vocab/tp]``
+    (the 4B step's output layer + log-prob pass went from 229 to 127 ms on the H200).
     """
     x = logits.float()
     if temperature != 1.0:
