@@ -74,9 +74,12 @@ class FaultStack:
         assert len(found) == 1, (module, found)
         return found[0]
 
+    def engine(self) -> dict[str, Any]:
+        """The rollout manager's record of the stack's one engine."""
+        return dict(httpx.get(self.url("rollout") + "/v1/engines", timeout=30).json()["engines"][0])
+
     def engine_pid(self) -> int:
-        engines = httpx.get(self.url("rollout") + "/v1/engines", timeout=30).json()["engines"]
-        return int(engines[0]["pid"])
+        return int(self.engine()["pid"])
 
     def run_status(self, run_id: str) -> dict[str, Any]:
         return dict(httpx.get(f"{self.url('trainer')}/v1/runs/{run_id}", timeout=30).json())
@@ -228,9 +231,9 @@ def test_the_only_engine_killed_inside_a_rollout_is_restarted_and_caught_up(stac
         return True
 
     run = run_with_faults(stack, "engine", engine_killed=kill_engine)
-    engines = httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"]
-    assert engines[0]["restarts"] >= 1 and engines[0]["pid"] != killed[0]
-    assert engines[0]["status"] == "ready" and engines[0]["weight_version"] == run.status["weight_version"]
+    engine = stack.engine()
+    assert engine["restarts"] >= 1 and engine["pid"] != killed[0]
+    assert engine["status"] == "ready" and engine["weight_version"] == run.status["weight_version"]
     pushes = [
         (e["rollout_id"], e["detail"]["version"]) for e in run.events if e["action"] == "weights.loaded"
     ]
@@ -250,9 +253,6 @@ def test_the_only_engine_killed_while_the_engines_sleep_is_restarted_after_the_t
     lands while the engine sleeps (a CPU step trains in a fraction of a second)."""
     killed: list[int] = []
 
-    def engine() -> dict[str, Any]:
-        return dict(httpx.get(stack.url("rollout") + "/v1/engines", timeout=30).json()["engines"][0])
-
     def kill_asleep_engine(status: dict[str, Any]) -> bool:
         trainer = stack.service_pid("vime_trainer")
         ranks = [pid for pid, cmd in descendants(trainer).items() if "RankActor" in cmd]
@@ -261,13 +261,13 @@ def test_the_only_engine_killed_while_the_engines_sleep_is_restarted_after_the_t
             os.kill(pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 60
-            while not engine()["asleep"] or stack.run_status(status["run_id"])["phase"] == "rollout":
-                assert time.monotonic() < deadline, (engine(), stack.run_status(status["run_id"]))
+            while not stack.engine()["asleep"] or stack.run_status(status["run_id"])["phase"] == "rollout":
+                assert time.monotonic() < deadline, (stack.engine(), stack.run_status(status["run_id"]))
                 time.sleep(0.05)
-            pid = int(engine()["pid"])
+            pid = int(stack.engine()["pid"])
             os.killpg(pid, signal.SIGKILL)
             killed.append(pid)
-            while (state := engine()["status"]) == "ready":  # the paused monitor sees the exit
+            while (state := stack.engine()["status"]) == "ready":  # the paused monitor sees the exit
                 assert time.monotonic() < deadline, state
                 time.sleep(0.1)
             assert state == "dead", state  # not restarted while the trainer may hold its memory
@@ -277,7 +277,7 @@ def test_the_only_engine_killed_while_the_engines_sleep_is_restarted_after_the_t
         return True
 
     run = run_with_faults(stack, "asleep", engine_killed=kill_asleep_engine)
-    now = engine()
+    now = stack.engine()
     assert now["restarts"] >= 1 and now["pid"] != killed[0]
     assert now["status"] == "ready" and now["weight_version"] == run.status["weight_version"]
 

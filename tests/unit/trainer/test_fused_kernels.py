@@ -1,6 +1,6 @@
 """The GPU step's fused RoPE and SwiGLU give Megatron's unfused results, values and gradients.
 
-On CPU the rotation itself (`fused.rotary`, uncompiled) is checked against Megatron's code in fp32
+On CPU the rotation itself (`fused.rotate`, uncompiled) is checked against Megatron's code in fp32
 and the hook against the config's validation; on a GPU the compiled kernels are checked in bf16,
 and the model's own forward with the fusions on against it with them off.
 """
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
-from vime_trainer.megatron.fused import cos_sin, fused_rotary, rotary, use_fused_kernels
+from vime_trainer.megatron.fused import cos_sin, fused_rotary, rotate, use_fused_kernels
 from vime_trainer.megatron.logprobs import _compiled_stats, local_stats
 
 SEQ, BATCH, HEADS, DIM = 7, 2, 3, 16
@@ -31,6 +31,11 @@ def _grad(fn, t: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch
     out.backward(torch.linspace(-1, 1, out.numel(), device=t.device).reshape(out.shape).to(out.dtype))
     assert x.grad is not None
     return out.detach(), x.grad
+
+
+def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The uncompiled rotation at angles ``freqs``, with the cos/sin the fused path uses."""
+    return rotate(t, *cos_sin(freqs))
 
 
 def _megatron(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ the 635 ms of "norms, activations, RoPE, elementwise" in a 2.15 s Qwen3-4B step 
 H200 (docs/benchmarks.md). Both fusions are Megatron's own switches: ``bias_activation_fusion``
 selects its ``torch.compile``d SwiGLU (forward and backward one kernel each; only the input is
 kept), and ``apply_rope_fusion`` calls ``rope_utils.fused_apply_rotary_pos_emb``, the hook
-TransformerEngine's kernel fills when installed; `use_fused_kernels` fills it with `rotary`,
+TransformerEngine's kernel fills when installed; `use_fused_kernels` fills it with `fused_rotary`,
 compiled. The CPU step keeps Megatron's unfused code (no compiler needed in CI).
 """
 
@@ -36,11 +36,6 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((out.to(t.dtype), t[..., rot:]), dim=-1)
 
 
-def rotary(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """`rotate` at angles ``freqs`` ``[s, 1, 1, d_rot]``."""
-    return rotate(t, freqs.cos(), freqs.sin())
-
-
 @cache
 def _compiled_rotate() -> Any:
     # dynamic: one graph for every micro-batch length (packed budgets change it each step)
@@ -51,8 +46,9 @@ def cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of ``freqs``, computed on its first use and kept on the tensor itself.
 
     Megatron passes one frequency tensor per forward to every layer, for the query and the key
-    alike: 2 × layers calls (72 on Qwen3-4B) share one cos/sin, which dies with the tensor. Evaluating
-    them in every call was half of the kernel's time on the H200 (docs/benchmarks.md).
+    alike: 2 × layers calls (72 on Qwen3-4B) share one cos/sin, which dies with the tensor. Evaluated
+    in every call instead, the 4B step's RoPE kernels took 95 ms rather than 75 ms on the H200
+    (docs/benchmarks.md).
     """
     kept: tuple[torch.Tensor, torch.Tensor] | None = getattr(freqs, "_vime_cos_sin", None)
     if kept is None:
