@@ -16,12 +16,18 @@ ends of the later steps:
 (the run's last step always saves a checkpoint — 17 s for the 0.6B shape on the H200 — which is
 not the mode's throughput).
 
+Each mode's result is kept in ``--results`` (default ``WORK/results.json``) and a run of one mode
+is compared with the other's kept result, so the two modes can run as two calls on one machine:
+each stack's vLLM start takes 2–2.5 min, and both modes in one call did not fit a 10-minute limit
+on an H100 (12-06).
+
 The summary gives both, their ratio (goal ≥ 1.5), and per mode the medians of the mismatch
 (|Δ log p|, the ratio's mean and max, the fractions TIS would truncate / MIS would drop), of
 ``T_step`` and its parts, and (async) of the overlap and the staleness.
 
     python bench/async_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 5
     python bench/async_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 3  # CPU
+    python bench/async_gpu.py --modes sync --results R.json ...; python bench/async_gpu.py --modes async --results R.json ...
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (faster start)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--results", type=Path, default=None, help="each mode's result, kept across calls")
     return p.parse_args()
 
 
@@ -168,6 +175,10 @@ def report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def main() -> None:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-async-"))
@@ -175,7 +186,11 @@ def main() -> None:
     t0 = time.monotonic()
     model = bench_model(work / "model", args.size, gpu=args.engine == "vllm")
     console.print(f"model {args.size} built in {time.monotonic() - t0:.0f}s")
-    results = {mode: run_mode(work, args, model, mode) for mode in args.modes}  # back to back
+    kept = args.results or work / "results.json"
+    results = {m: r | {"from": "an earlier call"} for m, r in _read(kept).items() if m not in args.modes}
+    for mode in args.modes:  # back to back
+        results[mode] = run_mode(work, args, model, mode)
+        kept.write_text(json.dumps(_read(kept) | {mode: results[mode]}))
     emit(
         "async",
         engine=args.engine,

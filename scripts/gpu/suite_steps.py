@@ -66,6 +66,17 @@ TRAIN_VARIANTS_CPU = [
 ]
 
 
+_ASYNC_RESULTS = "--results /tmp/vime-bench-async.json"
+"""Where bench_async_sync leaves its result for bench_async, a later call on the same machine."""
+_ASYNC_GPU = _args(
+    "--engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 3"
+) + _args(f"--set {_PACKED} --set max_tokens_per_gpu=16384 {_ASYNC_RESULTS}")
+"""16k budgets: the async trainer's share of an H100 (0.45 of 79 GiB) ran out of memory at 32k on
+12-06 (the 0.6B step peaks at 31.3 GiB with 16k, 39.8 GiB with 32k)."""
+_ASYNC_CPU = _args(
+    "--engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 3"
+) + _args(_ASYNC_RESULTS)
+
 STEPS: dict[str, Step] = {
     s.name: s
     for s in [
@@ -128,14 +139,20 @@ STEPS: dict[str, Step] = {
             expect_s=340,
         ),
         Step(
+            "bench_async_sync",
+            "the synchronous colocated half of bench_async (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens, 16k budgets), kept for bench_async",
+            _args("bench/async_gpu.py --modes sync") + _ASYNC_GPU,
+            _args("bench/async_gpu.py --modes sync") + _ASYNC_CPU,
+            timeout_s=480,
+            expect_s=340,  # the stack's start ~160 s, 3 steps, the last one's checkpoint; a call of its own
+        ),
+        Step(
             "bench_async",
-            "mode=async vs the synchronous colocated mode on one GPU, back to back (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): samples/s, their ratio (goal ≥ 1.5), the mismatch of each",
-            _args("bench/async_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args(f"--rollouts 3 --set {_PACKED} --set max_tokens_per_gpu=32768"),
-            _args("bench/async_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
-            + _args("--rollouts 3"),
-            timeout_s=590,
-            expect_s=520,  # two stacks, each ~110 s of vLLM start; a call of its own
+            "mode=async on one GPU against the kept bench_async_sync result (same workload): samples/s, their ratio (goal ≥ 1.5), the mismatch of each",
+            _args("bench/async_gpu.py --modes async") + _ASYNC_GPU,
+            _args("bench/async_gpu.py --modes async") + _ASYNC_CPU,
+            timeout_s=480,
+            expect_s=300,
         ),
         Step(
             "bench_rollout",
@@ -189,13 +206,13 @@ GROUPS: dict[str, list[str]] = {
     "benches": ["bench_sync", "bench_step"],
     "throughput": ["train_kernels", "bench_train_4b", "bench_train"],
     "weight_load": ["bench_sync", "direct", "loop_vllm"],
-    "async": ["bench_async"],
+    "async": ["bench_async_sync", "bench_async"],
     "all": list(STEPS),
 }
 """Named selections. What fitted one session's 30 device minutes on 12-03 (about 100 s of it for
 the machine's start and the bundle's four parts): ``loop train_kernels bench_train_4b`` with
-``install`` (~420 s), then ``bench_step`` (~340 s), ``bench_rollout`` (~330 s) and ``bench_async``
-(~520 s), one call each (each vLLM start alone takes ~110 s). The most telling step of a call goes
+``install`` (~420 s), then ``bench_step`` (~340 s), ``bench_rollout`` (~330 s), ``bench_async_sync``
+(~340 s) and ``bench_async`` (~300 s), one call each (each vLLM start alone takes 110–155 s). The most telling step of a call goes
 first, so a call cut short loses the least."""
 
 
