@@ -151,7 +151,7 @@ def build_app(
     auth = [Depends(make_token_checker(token))]
 
     def mgr(request: Request) -> RolloutManager:
-        return request.app.state.manager  # type: ignore[no-any-return]
+        return request.app.state.manager
 
     _add_rollout_routes(app, mgr, auth, default_dp_size)
     _add_engine_routes(app, mgr, auth)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from vime.clients.reward import RewardClient
 from vime.config import RunConfig
@@ -17,6 +19,7 @@ from vime.models import policy_model_path
 from vime.wire.rollout import OFFLOAD_LEVEL
 from vime_rollout.batch_builder import BatchSink
 from vime_rollout.data import DataSource, PromptDataset, build_dataset, read_records
+from vime_rollout.data.dataset import Tokenizer
 from vime_rollout.data.synthetic import arithmetic_records
 from vime_rollout.engines.commands import engine_command
 from vime_rollout.engines.control import engine_control
@@ -37,28 +40,30 @@ log = logging.getLogger("vime.rollout")
 SYNTHETIC_EVAL_PROMPTS = 64
 
 
-def build_datasets(cfg: RunConfig, tokenizer: object) -> tuple[PromptDataset, dict[str, PromptDataset]]:
+def build_datasets(cfg: RunConfig, tokenizer: Tokenizer) -> tuple[PromptDataset, dict[str, PromptDataset]]:
     """The training dataset and the eval datasets (a held-out synthetic set for the synthetic task)."""
     d = cfg.data
-    common = {
-        "input_key": d.input_key,
-        "label_key": d.label_key,
-        "metadata_key": d.metadata_key,
-        "apply_chat_template": d.apply_chat_template,
-        "max_prompt_len": cfg.rollout_max_prompt_len,
-    }
+
+    def build(name: str, records: Iterable[dict[str, Any]]) -> PromptDataset:
+        return build_dataset(
+            name,
+            records,
+            tokenizer,
+            input_key=d.input_key,
+            label_key=d.label_key,
+            metadata_key=d.metadata_key,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_len=cfg.rollout_max_prompt_len,
+        )
+
     if d.prompt_data:
-        train = build_dataset(Path(d.prompt_data).name, read_records(d.prompt_data), tokenizer, **common)  # type: ignore[arg-type]
+        train = build(Path(d.prompt_data).name, read_records(d.prompt_data))
     else:
-        records = arithmetic_records(d.synthetic_num_prompts, cfg.rollout_seed)
-        train = build_dataset("arithmetic", records, tokenizer, **common)  # type: ignore[arg-type]
-    evals = {
-        name: build_dataset(name, read_records(path), tokenizer, **common)
-        for name, path in d.eval_prompt_data.items()
-    }  # type: ignore[arg-type]
+        train = build("arithmetic", arithmetic_records(d.synthetic_num_prompts, cfg.rollout_seed))
+    evals = {name: build(name, read_records(path)) for name, path in d.eval_prompt_data.items()}
     if not evals and not d.prompt_data:
         held_out = arithmetic_records(SYNTHETIC_EVAL_PROMPTS, cfg.rollout_seed + 1_000_003)
-        evals["arithmetic"] = build_dataset("arithmetic", held_out, tokenizer, **common)  # type: ignore[arg-type]
+        evals["arithmetic"] = build("arithmetic", held_out)
     if train.num_dropped_too_long:
         log.warning(
             "%s: %d prompts longer than %d tokens dropped",

@@ -50,7 +50,7 @@ def load_function(path: str) -> Callable[..., Any]:
         raise ValueError(f"cannot import {path!r}: {exc}") from None
     if not callable(fn):
         raise ValueError(f"{path!r} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def apply_filter(fn: Callable[..., Any] | None, config: Any, group: list[Sample]) -> FilterOutput:

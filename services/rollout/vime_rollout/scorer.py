@@ -129,10 +129,12 @@ class RewardScorer:
                         fut.set_exception(exc)
                 continue
             if len(results) != len(batch):
-                exc = RuntimeError(f"reward service answered {len(results)} results for {len(batch)} samples")
+                wrong = RuntimeError(
+                    f"reward service answered {len(results)} results for {len(batch)} samples"
+                )
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(exc)
+                        fut.set_exception(wrong)
                 continue
             for (_, fut), result in zip(batch, results, strict=True):
                 if not fut.done():

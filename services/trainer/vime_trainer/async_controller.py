@@ -97,6 +97,11 @@ class AsyncController:
             "async/dropped_total": float(self.ctx.status.dropped_batches),
         }
 
+    async def save_after_fault(self) -> None:
+        """As the synchronous loop's: `run` has stopped the producer on its way out, and a fault
+        while waiting for a batch leaves the weights of the last finished step, which are saved."""
+        await self.base.save_after_fault()
+
     async def finish(self) -> RunState:
         if self.async_ops.batches is not None:  # the producer was started
             await self.async_ops.stop_producer()

@@ -138,7 +138,8 @@ def _split_from(path: Path, first: int) -> tuple[list[str], list[str]]:
     with any line torn by the crash; lines with no rollout id (a run's start-up events) are kept."""
     if not path.exists():
         return [], []
-    kept, gone = [], []
+    kept: list[str] = []
+    gone: list[str] = []
     for line in path.read_text().splitlines(keepends=True):
         try:
             row = json.loads(line)

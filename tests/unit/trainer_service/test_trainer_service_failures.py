@@ -16,7 +16,7 @@ from vime.wire.trainer import RunState
 
 
 def _handle(
-    tmp_path: Path, backend: FakeBackend, engines: FakeEngines, transport: FakeTransport
+    tmp_path: Path, backend: FakeBackend, engines: FakeEngines, transport: FakeTransport, *extra: str
 ) -> RunHandle:
     cfg = load_config(
         overrides=[
@@ -29,6 +29,7 @@ def _handle(
             "num_rollout=3",
             f"output_dir={tmp_path}",
             "run_id=f",
+            *extra,
         ],
         environ={},
     )
@@ -59,6 +60,20 @@ async def test_a_rank_that_dies_fails_the_run_with_its_cause_and_keeps_the_recor
     assert summary["state"] == "failed" and summary["steps"] == 1 and "rank 0 died" in summary["error"]
     assert (tmp_path / "f" / "report.png").is_file()
     assert len((tmp_path / "f" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+async def test_an_async_run_that_fails_ends_failed_with_its_cause(tmp_path: Path) -> None:
+    """The async loop's way out of a fault goes through the same end as the synchronous one's: the
+    run ends FAILED (it once raised in its clean-up instead, and the run stayed "running")."""
+    backend = FakeBackend()
+    handle = _handle(tmp_path, backend, FakeEngines(1), FakeTransport(1), "mode=async", "colocate=false")
+    await handle.run()  # the fake manager says mode=sync: the start-up fails
+    status = handle.ctx.status
+    assert status.state is RunState.FAILED and "rollout manager was started with mode=sync" in (
+        status.error or ""
+    )
+    assert (status.summary or {})["state"] == "failed"
+    assert backend.calls[-1] == "shutdown"
 
 
 async def test_a_failed_push_releases_the_lock_and_leaves_engines_paused(tmp_path: Path) -> None:

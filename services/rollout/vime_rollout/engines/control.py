@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from vime.clients.engine import EngineClient
+from vime.wire.engine import PauseMode
 
 HEALTH_TIMEOUT_S = 5.0
 """Default bound of a /health probe (``engine.health_check_timeout_s``) and of a /metrics read."""
@@ -26,7 +27,7 @@ class EngineControl(Protocol):
 
     async def health(self) -> bool: ...
 
-    async def sleep(self, level: int = ..., mode: str = ...) -> None: ...
+    async def sleep(self, level: int = ..., mode: PauseMode = ...) -> None: ...
 
     async def wake_up(self, tags: Sequence[str] | None = ...) -> None: ...
 

@@ -182,6 +182,7 @@ class DockerLauncher:
     can_restart = True
 
     def __init__(self, run_id: str, model_path: str, log_dir: str | Path, image: str) -> None:
+        docker: Any
         try:
             import docker
         except ImportError:
