@@ -149,10 +149,14 @@ class RunHandle:
             log.exception("run %s failed", self.ctx.run_id)
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            if state is RunState.FAILED:
-                await self.controller.save_after_fault()
-            await self._clean_up()
-            self.ctx.status.summary = await asyncio.to_thread(self.summary, state, error)
+            try:
+                if state is RunState.FAILED:
+                    await self.controller.save_after_fault()
+                await self._clean_up()
+                self.ctx.status.summary = await asyncio.to_thread(self.summary, state, error)
+            except Exception:  # the run still ends: a poller must not wait on "running" forever
+                log.exception("run %s: its end failed", self.ctx.run_id)
+                state = RunState.FAILED
             self.ctx.end(state, error)
             log.info("run %s %s: %s", self.ctx.run_id, state.value, json.dumps(self.ctx.status.summary))
 

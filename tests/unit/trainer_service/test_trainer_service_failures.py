@@ -76,6 +76,22 @@ async def test_an_async_run_that_fails_ends_failed_with_its_cause(tmp_path: Path
     assert backend.calls[-1] == "shutdown"
 
 
+async def test_a_run_whose_end_fails_still_ends_failed(tmp_path: Path) -> None:
+    backend = FakeBackend()
+
+    def die(rollout_id: int) -> None:
+        raise RuntimeError("rank died")
+
+    async def broken() -> None:
+        raise RuntimeError("the checkpoint after the fault failed")
+
+    backend.on_train = die
+    handle = _handle(tmp_path, backend, FakeEngines(1), FakeTransport(1))
+    handle.controller.save_after_fault = broken  # type: ignore[method-assign]
+    await handle.run()
+    assert handle.ctx.status.state is RunState.FAILED and "rank died" in (handle.ctx.status.error or "")
+
+
 async def test_a_failed_push_releases_the_lock_and_leaves_engines_paused(tmp_path: Path) -> None:
     engines = FakeEngines(2)
     engines.states["http://e1"].fail_update_at = 0
