@@ -87,14 +87,20 @@ async def test_push_without_flush_keeps_requests_and_skips_the_cache_reset() -> 
 
 
 async def test_an_in_flight_update_keeps_requests_and_still_flushes() -> None:
-    """The async mode's push: requests in flight are frozen (``keep``), not aborted, and the cache
-    reset makes them recompute their KV with the new weights."""
+    """The async mode's push: requests in flight are frozen (``keep``), not aborted, and the pause
+    itself clears the caches (vLLM does it once the engine is idle), so they recompute their KV
+    with the new weights; no separate, retried reset."""
     engines = FakeEngines(1)
-    sync, _ = _sync(engines, FakeTransport(1))
+    sync, events = _sync(engines, FakeTransport(1))
     report = await sync.push(_infos(engines), version=4, flush=True, mode="keep")
     calls = engines.states["http://e0"].calls
-    assert calls[0] == ("pause", {"mode": "keep", "clear_cache": "false"})
-    assert calls[1][0] == "reset_prefix_cache" and report.flushed
+    assert calls[0] == ("pause", {"mode": "keep", "clear_cache": "true"})
+    assert "reset_prefix_cache" not in [c[0] for c in calls] and report.flushed
+    assert "weights.flush" not in events and "flush" not in report.phases
+    unflushed = FakeEngines(1)
+    sync, _ = _sync(unflushed, FakeTransport(1))
+    await sync.push(_infos(unflushed), version=5, flush=False, mode="keep")
+    assert unflushed.states["http://e0"].calls[0] == ("pause", {"mode": "keep", "clear_cache": "false"})
 
 
 async def test_cache_reset_is_retried_while_blocks_are_held() -> None:
