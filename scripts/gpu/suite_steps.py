@@ -71,8 +71,9 @@ _ASYNC_RESULTS = "--results /tmp/vime-bench-async.json"
 _ASYNC_GPU = _args(
     "--engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 3"
 ) + _args(f"--set {_PACKED} --set max_tokens_per_gpu=16384 {_ASYNC_RESULTS}")
-"""16k budgets: the async trainer's share of an H100 (0.45 of 79 GiB) ran out of memory at 32k on
-12-06 (the 0.6B step peaks at 31.3 GiB with 16k, 39.8 GiB with 32k)."""
+"""16k budgets: the async trainer's share of an H100 ran out of memory at 32k on 12-06 (the 0.6B
+step peaks at 31.3 GiB with 16k, 39.8 GiB with 32k), and at 16k too with 0.45 of the GPU (the
+bench's shares are now 0.4 for vLLM and 0.5 for the trainer, not yet run on the GPU)."""
 _ASYNC_CPU = _args(
     "--engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 3"
 ) + _args(_ASYNC_RESULTS)
