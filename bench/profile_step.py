@@ -18,8 +18,10 @@ Kernel time overlapping other kernels (several streams) is counted in each categ
 more): kernels no recorded op launched.
 
 Host side: the ``vime/micro_batches`` range (building the micro-batch tensors) and the time the
-host spent blocked in synchronising calls. The chrome trace is written only when asked (it is
-large: tens of MB for a 4B step).
+host spent blocked in synchronising calls. On GPU one more step runs under torch's sync debug mode
+(``torch.cuda.set_sync_debug_mode("warn")``, outside the profiled step): each call that made the
+host wait for the GPU, counted by the nearest frame of this repo or Megatron (``sync_sites``).
+The chrome trace is written only when asked (it is large: tens of MB for a 4B step).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import json
 import re
 import shutil
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,7 +169,9 @@ def print_breakdown(console: Console, title: str, b: dict[str, Any]) -> None:
         table.add_row(name, f"{ms:.1f}", f"{ms / wall:.1%}")
     table.add_row("step (wall, profiled)", f"{wall:.1f}", "100%")
     console.print(table)
-    console.print(f"host: {b['host']}")
+    console.print(f"host: { {k: v for k, v in b['host'].items() if k != 'sync_sites'} }")
+    for site in b["host"].get("sync_sites", []):
+        console.print(f"  sync ×{site['calls']}: {site['site']}")
     console.print(
         "top: " + "; ".join(f"{t['name'][:60]} {t['ms']:.1f} ms ×{t['calls']}" for t in b["top"][:8])
     )
@@ -186,6 +192,8 @@ def profile_step(
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1000.0
     result = {"variant": name, **breakdown(prof, wall_ms)}
+    if torch.cuda.is_available():
+        result["host"]["sync_sites"] = sync_sites(step)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"profile_{name}.json").write_text(json.dumps(result, indent=1))
     if trace:
@@ -195,3 +203,27 @@ def profile_step(
             shutil.copyfileobj(src, dst)
         raw.unlink()
     return result
+
+
+_OWN_FRAMES = re.compile(r"/(vime|vime_trainer|megatron)/")
+
+
+def sync_sites(step: Callable[[], None], top: int = 15) -> list[dict[str, Any]]:
+    """Run ``step`` once with torch's sync debug mode; the calls that synchronised, by call site."""
+    sites: Counter[str] = Counter()
+
+    def record(message: Any, *args: Any, **kwargs: Any) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if _OWN_FRAMES.search(f.filename)]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-2:][::-1])
+        sites[f"{str(message).split(chr(10))[0][:60]} @ {where or '?'}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [{"site": k, "calls": n} for k, n in sites.most_common(top)]
