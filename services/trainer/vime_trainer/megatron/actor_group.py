@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -28,6 +29,26 @@ SHUTDOWN_GRACE_S = 10.0
 
 class TrainerError(RuntimeError):
     """A training rank failed or the group is not in a state to do what was asked."""
+
+
+def rank_failure(exc: BaseException, cfg: RunConfig) -> TrainerError:
+    """The error a rank's failure ends the run with; running out of GPU memory says what to change
+    first (the rest of Ray's message, the rank's traceback, follows)."""
+    cause = getattr(exc, "cause", None) or exc
+    if not isinstance(cause, torch.OutOfMemoryError):
+        return TrainerError(f"a training rank failed: {exc}")
+    split = (
+        f"max_tokens_per_gpu={cfg.max_tokens_per_gpu}"
+        if cfg.max_tokens_per_gpu
+        else f"micro_batch_size={cfg.micro_batch_size}"
+    )
+    share = cfg.trainer.gpu_memory_utilization
+    more = f", or a larger trainer.gpu_memory_utilization (now {share})" if share is not None else ""
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else "out of memory"
+    return TrainerError(
+        f"a training rank ran out of GPU memory: lower {split}, set trainer.recompute_activations=true"
+        f"{more}. {first}"
+    )
 
 
 class RankActor(TrainRank):
@@ -68,7 +89,7 @@ class ActorGroup:
         except ray.exceptions.GetTimeoutError as exc:
             raise TrainerError(f"training ranks did not answer within {self.timeout_s} s") from exc
         except ray.exceptions.RayError as exc:
-            raise TrainerError(f"a training rank failed: {exc}") from exc
+            raise rank_failure(exc, self.config) from exc
 
     def _bundle(self) -> dict[str, float]:
         """One GPU per rank; on CPU an equal share of the CPUs still free (at most one each)."""
