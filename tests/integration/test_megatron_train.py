@@ -7,6 +7,7 @@ share); references are computed independently with transformers in this process.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -53,8 +54,14 @@ def test_seed_loss_at_ratio_one(tp1: ActorGroup, publish: Publisher) -> None:
     cfg = tp1.config
     for rollout_id, sign in [(0, 1.0), (1, -1.0)]:
         batch = rollout_batch(cfg, rollout_id, [sign * SEED_ADVANTAGE] * 8, seed=rollout_id)
+        t0 = time.perf_counter()
         result = tp1.train(publish(split(cfg, batch)))
+        wall = time.perf_counter() - t0
         (step,) = result.steps
+        parts = {k: v for k, v in step.items() if k.startswith("t_")}  # where the rank's time went
+        assert set(parts) == {"t_read_s", "t_micro_batches_s", "t_passes_s", "t_backup_s"}
+        assert all(v >= 0 for v in parts.values()) and parts["t_passes_s"] > 0
+        assert sum(parts.values()) < wall
         (share,) = result.shares
         assert (share.dp_rank, share.samples, share.weight_versions) == (0, 8, (rollout_id + 1,))
         assert step["loss"] == pytest.approx(-sign * SEED_ADVANTAGE, abs=1e-6)
@@ -146,6 +153,8 @@ def test_recomputed_old_log_probs_and_kl_term(
         rbs = split(cfg, rollout_batch(cfg, 0))
         assert rbs[0].num_microbatches == [2, 2]
         first, second = group.train(publish(rbs)).steps
+        assert {"t_log_probs_s", "t_reference_log_probs_s"} <= set(first)  # the two no-grad passes
+        assert not any(k.startswith("t_") for k in second)  # a rollout's parts are on its first step
         assert first["ppo_kl"] == 0.0 and first["clipfrac"] == 0.0  # same weights as the old log-probs
         assert first["kl_loss"] == 0.0  # the policy still equals the reference
         assert second["ppo_kl"] != 0.0 and second["kl_loss"] > 0.0  # step 0 moved the policy

@@ -11,6 +11,7 @@ needs the model's memory refuses to run while the rank is asleep.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -89,13 +90,17 @@ class TrainRank:
         (`train`, or `train_sft` for a warm-up batch), ack it after the optimizer step."""
         self._require_awake()
         reader = self._share_reader(ref.redis_url)
+        t0 = time.perf_counter()
         share = self._await(reader.read(ref))
+        read_s = time.perf_counter() - t0
         if (share.rollout_id, share.dp_size) != (ref.rollout_id, self.info.dp_size):
             raise ValueError(
                 f"batch {share.batch_id} holds rollout {share.rollout_id} split for DP size {share.dp_size}; "
                 f"asked for rollout {ref.rollout_id} at DP size {self.info.dp_size}"
             )
         steps = (self.train_sft if sft else self.train)(share)
+        if steps:
+            steps[0]["t_read_s"] = read_s
         self._await(reader.ack(share.batch_id))
         if not reader.consumes:
             return TrainResult(steps if self.info.reports_metrics else [])

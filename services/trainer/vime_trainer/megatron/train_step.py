@@ -12,6 +12,7 @@ per-token advantages (`micro_batch`). Step 40: per optimizer step, forward/backw
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from itertools import accumulate
 from typing import Any
@@ -31,6 +32,22 @@ from vime_trainer.megatron.passes import Passes
 StepMetrics = dict[str, float]
 MICRO_BATCH_RANGE = "vime/micro_batches"
 """Profiler range around building a batch's micro-batch tensors on the host and copying them over."""
+
+
+class PhaseClock:
+    """Seconds of each part of a rank's training, as ``t_<part>_s`` metrics. On the GPU each mark
+    waits for the device first, so a part is charged its kernels rather than their launches."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[f"t_{part}_s"] = self.seconds.get(f"t_{part}_s", 0.0) + now - self._last
+        self._last = now
 
 
 class TrainStep:
@@ -98,17 +115,23 @@ class TrainStep:
             self.backup.restore("actor")
 
     def train(self, batch: RankBatch) -> list[StepMetrics]:
-        """Train on this rank's share of a rollout; one metrics dict per optimizer step."""
+        """Train on this rank's share of a rollout; one metrics dict per optimizer step (the first
+        also carries the seconds of each part: `PhaseClock`)."""
+        clock = PhaseClock()
         mbs = self.micro_batches(batch)
+        clock.mark("micro_batches")
         c = self.config
         reuse = can_reuse_log_probs_in_loss(c, batch.num_microbatches)
         train_lp: list[torch.Tensor] | None = None
         if (not c.use_rollout_logprobs or c.get_mismatch_metrics) and not reuse:
             train_lp = self.log_probs(mbs)
+            clock.mark("log_probs")
         old = [mb.rollout_log_probs for mb in mbs] if c.use_rollout_logprobs else train_lp
         if c.use_rollout_logprobs:
             _require_rollout_log_probs(mbs)
         ref = self.reference_log_probs(mbs) if c.kl_coef > 0 else None
+        if ref is not None:
+            clock.mark("reference_log_probs")
         bounds = [0, *accumulate(batch.num_microbatches)]
         results = []
         for s, n in enumerate(batch.num_microbatches):
@@ -129,7 +152,10 @@ class TrainStep:
                 )
 
             results.append(self.passes.step(mbs[bounds[s] : bounds[s + 1]], loss_fn))
+        clock.mark("passes")
         self.backup.backup("actor")  # seed step 41: the push reads this copy while the model sleeps
+        clock.mark("backup")
+        results[0] |= clock.seconds
         return results
 
     def train_sft(self, batch: RankBatch) -> list[StepMetrics]:
