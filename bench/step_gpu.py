@@ -235,6 +235,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
                 "transitions": transitions,
                 "transitions_frac": trans,
                 **push,
+                **rank_parts(r),
             }
         )
         table.add_row(
@@ -248,7 +249,8 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
         )
     console.print(table)
     steady = steps[1:] or steps
-    keys = ("T_step", *STEP_PHASES, "transitions", "transitions_frac", "pause_to_resume_s", "GBps")
+    parts = sorted({k for s in steady for k in s if k.startswith("rank_t_")})
+    keys = ("T_step", *STEP_PHASES, "transitions", "transitions_frac", "pause_to_resume_s", "GBps", *parts)
     median = {
         k: round(statistics.median(s[k] for s in steady if k in s), 4)
         for k in keys
@@ -258,6 +260,11 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
         f"median of steps {[s['rollout_id'] for s in steady]}: {median} (goal: transitions < 3% of T_step)"
     )
     return {"steps": steps, "steady_median": median, "goal_transitions_frac": 0.03}
+
+
+def rank_parts(row: dict[str, Any]) -> dict[str, float]:
+    """Where the training rank's time went inside ``T_train`` (``train/t_*_s``), as ``rank_t_*_s``."""
+    return {f"rank_{k.removeprefix('train/')}": float(v) for k, v in row.items() if k.startswith("train/t_")}
 
 
 def main() -> None:
