@@ -84,7 +84,10 @@ def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
     finally:
         resumed.shutdown()
     for a, b in zip(got, expected, strict=True):
-        assert a == b  # bit-identical metrics: loss, grad norm, entropy, ...
+        learned = [{k: v for k, v in m.items() if not k.startswith("t_")} for m in (a, b)]  # not the timings
+        assert (
+            learned[0] == learned[1] and "loss" in learned[0]
+        )  # bit-identical: loss, grad norm, entropy, ...
 
 
 def test_incomplete_checkpoint_is_skipped(tmp_path: Path) -> None:
