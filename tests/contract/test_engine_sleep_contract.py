@@ -91,7 +91,9 @@ async def test_level1_releases_memory(engine: EngineClient, eut: EngineUnderTest
     assert asleep["kv_cache_bytes"] == 0 and asleep["weights_bytes"] == 0
     assert asleep["weights_backup_bytes"] == awake["weights_bytes"]
     freed = awake["rss_bytes"] - asleep["rss_bytes"]
-    assert freed >= 0.8 * awake["kv_cache_bytes"], f"RSS fell by {freed} bytes of {awake['kv_cache_bytes']}"
+    # The RSS is the process's, not the cache's: the weights' backup and glibc's arenas move it by
+    # tens of MB (CI on 12-06: 42 of 64 MB once, ≥ 80 % before); a sleep that kept the cache frees ~0.
+    assert freed >= 0.5 * awake["kv_cache_bytes"], f"RSS fell by {freed} bytes of {awake['kv_cache_bytes']}"
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
