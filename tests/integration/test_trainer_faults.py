@@ -90,8 +90,11 @@ def _engine_pid(cfg: dict[str, Any]) -> int:
 
 
 @contextlib.contextmanager
-def _held_in_rollout(child: procs.Child, cfg: dict[str, Any], rollout_id: int) -> Iterator[None]:
-    """Inside rollout ``rollout_id`` of a resumed leg, held there: the engine is stopped (SIGSTOP)
+def _held_in_rollout(
+    child: procs.Child, cfg: dict[str, Any], rollout_id: int, leg_start: str = "run.resume"
+) -> Iterator[None]:
+    """Inside rollout ``rollout_id`` of the leg that began with the event ``leg_start`` (``run.start``
+    for a first leg), held there: the engine is stopped (SIGSTOP)
     as soon as the run's events show the step before it done, so the rollout cannot end before
     the block does (a rollout of the nano stack takes under a second, and its rewards need no
     reward service: a fault aimed at it by polling the run's phase landed in the training after
@@ -103,7 +106,7 @@ def _held_in_rollout(child: procs.Child, cfg: dict[str, Any], rollout_id: int) -
         assert child.alive(), child.log_tail(60)
         assert time.monotonic() < deadline, f"rollout {rollout_id - 1} never ended:\n{child.log_tail(60)}"
         events = _events(cfg)
-        resumed = [k for k, e in enumerate(events) if e["action"] == "run.resume"]  # this leg's start
+        resumed = [k for k, e in enumerate(events) if e["action"] == leg_start]  # this leg's start
         if resumed and engine is None:
             engine = _engine_pid(cfg)  # the stack is up
         if resumed and any(
@@ -150,8 +153,11 @@ def test_a_killed_trainer_gives_the_resume_command_and_the_resumed_run_trains_no
 
     leg1 = _leg(tmp_path, 1, ["train", "-c", str(config)], mark, models)
     try:
-        _inside_rollout(leg1, cfg, 3)
-        os.kill(_trainer_pid(leg1), signal.SIGKILL)
+        with _held_in_rollout(leg1, cfg, 3, leg_start="run.start"):  # polled, a 0.2 s rollout was missed
+            trainer = _trainer_pid(leg1)
+            os.kill(trainer, signal.SIGKILL)
+            while _alive(trainer):
+                time.sleep(0.05)
         assert leg1.popen.wait(LEG_S) == 1
     finally:
         stop_vime(leg1, mark)
