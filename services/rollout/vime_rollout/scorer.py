@@ -123,18 +123,14 @@ class RewardScorer:
                 else:
                     call = self.client.score_batch([r for r, _ in batch], fn=self.fn)
                     results = await self._watched(call, len(batch))
+                if len(results) != len(batch):
+                    raise RuntimeError(
+                        f"reward service answered {len(results)} results for {len(batch)} samples"
+                    )
             except Exception as exc:
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
-                continue
-            if len(results) != len(batch):
-                wrong = RuntimeError(
-                    f"reward service answered {len(results)} results for {len(batch)} samples"
-                )
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(wrong)
                 continue
             for (_, fut), result in zip(batch, results, strict=True):
                 if not fut.done():
