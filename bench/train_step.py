@@ -180,8 +180,8 @@ def profiled(args: argparse.Namespace, first: bool, variant: Variant) -> set[str
 
 def sleep_cycles(rank: Any, rb: RankBatch) -> dict[str, Any]:
     """Two sleep/wake cycles as the colocated loop runs them (the first allocates the pinned host
-    buffers, the second reuses them), the second followed by a training step: its seconds against
-    ``step_s`` show what of the optimizer state's copy back the step did not hide."""
+    buffers, the second reuses them: ``sleep_s`` / ``wake_s`` are what every later step pays), then
+    a training step: its seconds against ``step_s`` show what the freed allocator cache costs."""
     out: dict[str, Any] = {}
     for cycle in ("first_", ""):
         _sync()
@@ -190,7 +190,7 @@ def sleep_cycles(rank: Any, rb: RankBatch) -> dict[str, Any]:
         out[f"{cycle}sleep_s"] = time.perf_counter() - t0
         out["memory_asleep"] = rank.memory_stats()
         t0 = time.perf_counter()
-        rank.wake_up()  # returns once the parameters are back; the optimizer state may still be copying
+        rank.wake_up()
         out[f"{cycle}wake_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rank.train(rb)

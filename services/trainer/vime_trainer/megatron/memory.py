@@ -5,10 +5,7 @@ empties the *storages* behind parameters, fp32 master weights and optimizer stat
 (``untyped_storage().resize_(0)`` after copying them to pinned CPU memory) and simply drops the
 gradient buffers, which are zeroed before every step anyway. Tensor objects, views into DDP's
 flat buffers and the optimizer's references all stay valid, so ``wake_up`` only resizes the
-storages back and copies the bytes in: the parameters' on the current stream, the optimizer's
-(fp32 masters and Adam state, six times the bf16 parameters' bytes) on a side stream, so that copy
-overlaps the forward and backward passes, which need only the parameters; `optimizer_ready`
-makes the device wait for it before anything reads the optimizer. On CPU the same path runs (the copy goes to ordinary
+storages back and copies the bytes in. On CPU the same path runs (the copy goes to ordinary
 memory), which is what lets CPU tests show that a sleep/wake cycle leaves results unchanged.
 
 `WeightBackup` keeps named CPU copies of this rank's parameters: ``"actor"`` after each training
@@ -52,9 +49,6 @@ class Offloader:
         self.device = torch.device(device)
         self._saved: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
-        self._params: set[int] = set()
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._optimizer_loaded: torch.cuda.Event | None = None
         self.asleep = False
 
     def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -73,9 +67,7 @@ class Offloader:
         """Free the device memory of parameters, grads and optimizer state; returns bytes freed."""
         if self.asleep:
             return 0
-        self.optimizer_ready()
         kept, grads = self._state()
-        self._params = {s.data_ptr() for s in _storages(p.data for p in self.model.parameters())}
         pin = self.device.type == "cuda"
         freed = 0
         grad_keys = {s.data_ptr() for s in _storages(grads)}
@@ -103,42 +95,22 @@ class Offloader:
         return freed
 
     def wake_up(self) -> None:
-        """Bring everything back where it was (grads come back zeroed); the optimizer's bytes may
-        still be on their way (`optimizer_ready`)."""
+        """Bring everything back where it was (grads come back zeroed)."""
         if not self.asleep:
             return
         for storage, backup in self._saved:
             storage.resize_(backup.nbytes())
-        later = [(s, b) for s, b in self._saved if s.data_ptr() not in self._params]
-        now = [(s, b) for s, b in self._saved if s.data_ptr() in self._params]
-        if self._copy_stream is None:
-            now, later = now + later, []
-        for storage, backup in now:
             storage.copy_(backup, non_blocking=True)
-        if later:
-            assert self._copy_stream is not None
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # memory reused from it
-            with torch.cuda.stream(self._copy_stream):
-                for storage, backup in later:
-                    storage.copy_(backup, non_blocking=True)
-            self._optimizer_loaded = self._copy_stream.record_event()
         for storage, nbytes in self._dropped:
             storage.resize_(nbytes)
         zero_grads = getattr(self.model, "zero_grad_buffer", None)
         if zero_grads is not None:
             zero_grads()
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize()
         self._saved.clear()
         self._dropped.clear()
         self.asleep = False
-
-    def optimizer_ready(self) -> None:
-        """Make the current stream wait (on the device, the host goes on) for the optimizer's bytes
-        that `wake_up` is still copying in; called before the optimizer step, a save, a load, a sleep."""
-        if self._optimizer_loaded is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._optimizer_loaded)
-            self._optimizer_loaded = None
 
 
 class WeightBackup:

@@ -31,19 +31,10 @@ LossFn = Callable[[int, MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str,
 class Passes:
     """Runs the schedule for one DDP-wrapped model."""
 
-    def __init__(
-        self,
-        ddp: Any,
-        optimizer: Any,
-        use_local_attention: bool,
-        optimizer_ready: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, ddp: Any, optimizer: Any, use_local_attention: bool) -> None:
         self.ddp = ddp
         self.optimizer = optimizer
         self.use_local_attention = use_local_attention
-        self.optimizer_ready = optimizer_ready
-        """Called before each optimizer step (`Offloader.optimizer_ready`: its state may still be
-        on its way to the device after a wake-up)."""
 
     @property
     def model(self) -> PolicyModel:
@@ -83,7 +74,6 @@ class Passes:
         self.optimizer.zero_grad()
         outputs = self.run(mbs, loss_fn, forward_only=False)
         with record_function(OPTIMIZER_RANGE):
-            self.optimizer_ready()
             ok, grad_norm, _ = self.optimizer.step()
         metrics = reduce_metrics(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

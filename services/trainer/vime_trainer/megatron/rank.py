@@ -79,12 +79,7 @@ class TrainRank:
         if c.kl_coef > 0:
             self.backup.backup("ref")
         self.offloader = Offloader(self.ddp, self.optimizer, self.info.device)
-        self.passes = Passes(
-            self.ddp,
-            self.optimizer,
-            use_local_attention=not c.trainer.use_sdpa,
-            optimizer_ready=self.offloader.optimizer_ready,
-        )
+        self.passes = Passes(self.ddp, self.optimizer, use_local_attention=not c.trainer.use_sdpa)
         self.steps = TrainStep(self.passes, c, self.backup, self.info.device, self.info.dp_size)
         self._ready = True
         return asdict(self.info)
@@ -211,7 +206,6 @@ class TrainRank:
         from vime_trainer.megatron.checkpoint import save_checkpoint
 
         self._require_awake()
-        self.offloader.optimizer_ready()
         meta = {
             "layout": {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size},
             "architecture": self.arch.to_dict(),
@@ -228,7 +222,6 @@ class TrainRank:
         from vime_trainer.megatron.checkpoint import latest_checkpoint, load_checkpoint
 
         self._require_awake()
-        self.offloader.optimizer_ready()
         if path is None:
             found = latest_checkpoint(self.config.trainer.checkpoint_dir)
             if found is None:
