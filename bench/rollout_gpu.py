@@ -19,6 +19,11 @@ need) and without — the same requests (the manager's own request builder, seed
   and its extra time over the direct round, part by part (`gpu_common.gap_parts`, from the
   rollout's own ``rollout/t_*`` metrics).
 
+After a warm-up (the whole batch once, 32 tokens each, and one evaluation rollout), ``--rounds``
+rounds of both (default 2), the order swapped every round (odd rounds: manager first), so that
+neither side always runs on the colder engine; the medians are reported (one round on the H100
+on 12-06 had the manager 1.24× the direct round with log-probs, which order alone can do).
+
 Printed: output tokens/s of each side and manager / direct (goal ≥ 0.98), the manager's form of
 log-probs over the seed's, and the manager with log-probs over direct without (goal ≥ 0.8). Raw
 vLLM 0.26 on one H200 did ~9k tok/s with ``logprobs: 1`` and ~27k without (notes/gpu_baselines.md).
@@ -72,7 +77,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", default="qwen3-0.6b", choices=[*SHAPES, *QWEN3_SHAPES])
     p.add_argument("--samples", type=int, default=256, help="a multiple of 8 (prompts × 8)")
     p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=1, help="direct + manager rounds per variant")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="direct + manager rounds per variant (odd rounds: manager first)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--work", type=Path, default=None)
     return p.parse_args()
@@ -146,6 +156,12 @@ def manager_config(
     }
 
 
+def warm_up_form(payloads: list[dict[str, Any]], max_tokens: int = 32) -> list[dict[str, Any]]:
+    """The same requests, shorter: the engine sees the full batch (and its log-prob path) once
+    before anything is timed."""
+    return [p | {"sampling_params": p["sampling_params"] | {"max_tokens": max_tokens}} for p in payloads]
+
+
 def seed_form(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The same requests with log-probs asked as the seed does (``logprobs: 1``, nothing else)."""
     out = []
@@ -155,6 +171,25 @@ def seed_form(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+async def _direct_rounds(
+    engine_url: str, payloads: list[dict[str, Any]], concurrency: int, logprobs: bool, replies: list[float]
+) -> dict[str, float]:
+    """The requests straight to the engine (with log-probs: in the manager's form, then the seed's)."""
+    tokens, wall = await direct_round([engine_url], payloads, concurrency, replies)
+    row = {"direct_tps": tokens / wall, "direct_tokens": float(tokens), "direct_s": wall}
+    if logprobs:
+        s_tokens, s_wall = await direct_round([engine_url], seed_form(payloads), concurrency)
+        row |= {"direct_seed_form_tps": s_tokens / s_wall, "direct_seed_form_s": s_wall}
+    return row
+
+
+async def _manager_round(client: RolloutClient, rollout_id: int) -> tuple[dict[str, float], float]:
+    """One rollout through the manager: its metrics and the whole POST's seconds."""
+    t0 = time.perf_counter()
+    job = await client.rollout(rollout_id)
+    return job.metrics, time.perf_counter() - t0
+
+
 async def measure(
     url: str, cfg: Any, model: Path, engine_url: str, args: argparse.Namespace, logprobs: bool
 ) -> list[dict[str, Any]]:
@@ -162,23 +197,18 @@ async def measure(
     concurrency = cfg.rollout_concurrency
     rows = []
     async with RolloutClient(url, token=TOKEN, timeout=1800) as client:
-        await direct_round([engine_url], payloads[:32], concurrency)  # warm-up: engine
+        await direct_round([engine_url], warm_up_form(payloads), concurrency)  # warm-up: engine, full batch
         await client.rollout(10_000, evaluation=True)  # warm-up: router, reward pool, tokenizer
         for r in range(args.rounds):
             replies: list[float] = []
-            d_tokens, d_wall = await direct_round([engine_url], payloads, concurrency, replies)
-            row: dict[str, Any] = {
-                "direct_tps": d_tokens / d_wall,
-                "direct_tokens": float(d_tokens),
-                "direct_s": d_wall,
-            }
-            if logprobs:
-                s_tokens, s_wall = await direct_round([engine_url], seed_form(payloads), concurrency)
-                row |= {"direct_seed_form_tps": s_tokens / s_wall, "direct_seed_form_s": s_wall}
-            t0 = time.perf_counter()
-            job = await client.rollout(r)
-            e2e = time.perf_counter() - t0
-            m = job.metrics
+            row: dict[str, Any] = {"manager_first": r % 2 == 1}
+            if row["manager_first"]:  # odd rounds swap the order: neither side always runs first
+                m, e2e = await _manager_round(client, r)
+                row |= await _direct_rounds(engine_url, payloads, concurrency, logprobs, replies)
+            else:
+                row |= await _direct_rounds(engine_url, payloads, concurrency, logprobs, replies)
+                m, e2e = await _manager_round(client, r)
+            d_wall = row["direct_s"]
             row |= {
                 "manager_tps": m["rollout/generated_tokens"] / m["rollout/wall_s"],
                 "manager_e2e_tps": m["rollout/generated_tokens"] / e2e,
