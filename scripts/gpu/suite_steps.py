@@ -73,7 +73,8 @@ _ASYNC_GPU = _args(
 ) + _args(f"--set {_PACKED} --set max_tokens_per_gpu=16384 {_ASYNC_RESULTS}")
 """16k budgets: the async trainer's share of an H100 ran out of memory at 32k on 12-06 (the 0.6B
 step peaks at 31.3 GiB with 16k, 39.8 GiB with 32k), and at 16k too with 0.45 of the GPU (the
-bench's shares are now 0.4 for vLLM and 0.5 for the trainer, not yet run on the GPU)."""
+bench's shares are now 0.4 for vLLM and 0.5 for the trainer: both halves ran on an H100 on 12-06,
+327 s and 258 s)."""
 _ASYNC_CPU = _args(
     "--engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 3"
 ) + _args(_ASYNC_RESULTS)
@@ -213,8 +214,12 @@ GROUPS: dict[str, list[str]] = {
 """Named selections. What fitted one session's 30 device minutes on 12-03 (about 100 s of it for
 the machine's start and the bundle's four parts): ``loop train_kernels bench_train_4b`` with
 ``install`` (~420 s), then ``bench_step`` (~340 s), ``bench_rollout`` (~330 s), ``bench_async_sync``
-(~340 s) and ``bench_async`` (~300 s), one call each (each vLLM start alone takes 110–155 s). The most telling step of a call goes
-first, so a call cut short loses the least."""
+(~340 s) and ``bench_async`` (~300 s), one call each (each vLLM start alone takes 110–155 s). On
+12-06 one H100 (~25 s to start, four parts ~10 s) took ``install`` + ``bench_train`` (193 s), then
+``bench_async_sync`` (330), ``bench_async`` (261), ``bench_step`` (315), ``bench_rollout`` (225,
+one round) and ``bench_train_4b`` (45: out of memory on 79 GiB), back to back: the machine goes back
+after 30 s idle, so the calls follow each other without analysis between them. The most telling
+step of a call goes first, so a call cut short loses the least."""
 
 
 class SelectionError(ValueError):
