@@ -249,7 +249,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
         )
     console.print(table)
     steady = steps[1:] or steps
-    parts = sorted({k for s in steady for k in s if k.startswith("rank_t_")})
+    parts = sorted({k for s in steady for k in s if k.startswith(("rank_t_", "trainer_"))})
     keys = ("T_step", *STEP_PHASES, "transitions", "transitions_frac", "pause_to_resume_s", "GBps", *parts)
     median = {
         k: round(statistics.median(s[k] for s in steady if k in s), 4)
@@ -263,8 +263,10 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
 
 
 def rank_parts(row: dict[str, Any]) -> dict[str, float]:
-    """Where the training rank's time went inside ``T_train`` (``train/t_*_s``), as ``rank_t_*_s``."""
-    return {f"rank_{k.removeprefix('train/')}": float(v) for k, v in row.items() if k.startswith("train/t_")}
+    """Where ``T_train`` went: the training rank's parts (``train/t_*_s``) as ``rank_t_*_s``, and
+    the trainer's wake-up and sleep (``trainer/*_s``) as ``trainer_*_s``."""
+    parts = {f"rank_{k.removeprefix('train/')}": float(v) for k, v in row.items() if k.startswith("train/t_")}
+    return parts | {k.replace("/", "_"): float(v) for k, v in row.items() if k.startswith("trainer/")}
 
 
 def main() -> None:

@@ -92,7 +92,8 @@ class Controller:
                 await self.ops.onload_kv()
             with clock.phase("eval"):
                 metrics |= await self.maybe_eval(rollout_id)
-            self.step_done(rollout_id, clock, {**job.metrics, **metrics, **self.ops.push_metrics})  # 55
+            parts = self.ops.push_metrics | self.ops.trainer_memory_metrics
+            self.step_done(rollout_id, clock, {**job.metrics, **metrics, **parts})  # 55
         return await self.finish()
 
     # --- start-up: seed steps 1–13 ----------------------------------------------------------------

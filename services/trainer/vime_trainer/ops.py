@@ -76,6 +76,9 @@ class RunOps:
         self.sync: WeightSync | None = None
         self.push_metrics: dict[str, float] = {}
         """The last push's pause → resume seconds and each of its phases (``weights/<phase>_s``)."""
+        self.trainer_memory_metrics: dict[str, float] = {}
+        """Seconds of the last trainer wake-up and sleep (``trainer/wake_s``, ``trainer/sleep_s``):
+        the parts of T_train that move the training state between the GPU and pinned memory."""
 
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
     async def wait_rollout_manager(self, timeout_s: float = 900.0) -> EnginesStatus:
@@ -157,13 +160,17 @@ class RunOps:
     async def trainer_wake_up(self) -> None:
         """Step 37: the trainer takes its GPU memory back (the engines sleep)."""
         if self.cfg.offload_train:
+            t0 = time.perf_counter()
             await asyncio.to_thread(self.backend.wake_up)
+            self.trainer_memory_metrics["trainer/wake_s"] = time.perf_counter() - t0
             self.events.record("trainer.wake_up")
 
     async def trainer_sleep(self) -> None:
         """Step 41: free the trainer's GPU memory before the engines wake."""
         if self.cfg.offload_train:
+            t0 = time.perf_counter()
             await asyncio.to_thread(self.backend.sleep)
+            self.trainer_memory_metrics["trainer/sleep_s"] = time.perf_counter() - t0
             self.events.record("trainer.sleep")
 
     # --- rollout and training (seed steps 14–32, 37–42) ----------------------------------------

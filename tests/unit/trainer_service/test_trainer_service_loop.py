@@ -115,6 +115,24 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
     )
 
 
+async def test_each_step_reports_the_trainer_wake_up_and_sleep_inside_t_train() -> None:
+    run = Run()
+    run.backend.memory_s = 0.05
+    await run.go()
+    for step in run.steps:
+        wake, sleep = step.metrics["trainer/wake_s"], step.metrics["trainer/sleep_s"]
+        assert 0.05 <= wake < 1.0 and 0.05 <= sleep < 1.0
+        assert wake + sleep <= step.timings.train_s
+
+
+async def test_a_step_that_keeps_the_trainer_awake_reports_no_wake_up_or_sleep() -> None:
+    run = Run("offload_train=false", "offload_rollout=false")
+    await run.go()
+    assert run.steps and not any(
+        "trainer/wake_s" in s.metrics or "trainer/sleep_s" in s.metrics for s in run.steps
+    )
+
+
 async def test_batches_the_ranks_skipped_are_in_the_event_log() -> None:
     run = Run()
     run.backend.skipped = [("mgr:3:0", 3)]  # left pending by the run this one resumed from

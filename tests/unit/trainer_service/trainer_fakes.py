@@ -11,6 +11,7 @@ was asked of them (the engines and weight buckets are `engine_fakes`).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +203,8 @@ class FakeBackend:
         """The weight version the engines hold (the one a batch's samples carry)."""
         self.skipped: list[tuple[str, int]] = []
         """What the ranks report skipping on their next read (then nothing)."""
+        self.memory_s = 0.0
+        """How long each sleep and wake-up takes (the ranks' copies to and from pinned memory)."""
 
     def start(self) -> None:
         self.calls.append("start")
@@ -232,10 +235,12 @@ class FakeBackend:
 
     def sleep(self) -> None:
         self.calls.append("sleep")
+        time.sleep(self.memory_s)
         self.asleep = True
 
     def wake_up(self) -> None:
         self.calls.append("wake_up")
+        time.sleep(self.memory_s)
         self.asleep = False
 
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
