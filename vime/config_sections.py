@@ -218,6 +218,9 @@ class TrainerConfig(Section):
     packed_attention: Literal["auto", "varlen", "flex", "segments"] = "auto"
     """Attention kernel for packed samples: varlen (FlashAttention) or flex (FlexAttention), GPU
     only, or segments (one SDPA call per sample); auto is varlen on GPU, segments on CPU."""
+    fused_norm: bool = True
+    """On the GPU, every layer's RMSNorm as one compiled kernel forward and one backward (torch's
+    own kernels when false; the CPU always uses them)."""
     recompute_activations: bool = False
     """Recompute each layer's forward during backward (Megatron's full recompute) instead of keeping
     its activations: less memory, about a third more compute."""

@@ -48,15 +48,18 @@ def _variants(variants: list[str]) -> list[str]:
 
 _PACKED = "trainer.packed_sequences=true"
 TRAIN_VARIANTS_06B = [
-    "padded",  # right-padded micro-batches of 4 samples
-    f"packed {_PACKED}",
+    "padded",  # right-padded micro-batches of 4 samples (packed at 4 per micro-batch: 0.94x HF, left out)
     f"budget16k {_PACKED} max_tokens_per_gpu=16384",
     f"budget32k {_PACKED} max_tokens_per_gpu=32768",
+    f"budget32k_torch_norm {_PACKED} max_tokens_per_gpu=32768 trainer.fused_norm=false",
+    f"budget32k_chunk4k {_PACKED} max_tokens_per_gpu=32768 trainer.logprob_chunk_size=4096",
+    f"budget64k {_PACKED} max_tokens_per_gpu=65536",
 ]
 """Bench variants of the step (bench/train_step.py ``--variant``)."""
 TRAIN_VARIANTS_4B = [
     # 16k ran out of memory; the padded step (3.8 s, 22.7 % MFU on 12-03) left out: the goal is MFU
     f"budget8k {_PACKED} max_tokens_per_gpu=8192",
+    f"budget8k_torch_norm {_PACKED} max_tokens_per_gpu=8192 trainer.fused_norm=false",
 ]
 TRAIN_VARIANTS_CPU = [
     "padded",
@@ -179,7 +182,7 @@ STEPS: dict[str, Step] = {
                 "bench/train_step.py --shape 0.6b --gpus 1 --samples 64 --prompt-len 200 --response-len 800"
             )
             + _args("--lengths capped --micro-batch 4 --steps 3 --sleep-check --profile")
-            + _args("--profile-variants padded,budget16k")
+            + _args("--profile-variants budget16k")
             + _variants(TRAIN_VARIANTS_06B),
             _args("bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 2")
             + _args("--lengths uniform --sleep-check --profile")

@@ -95,3 +95,53 @@ def test_tp2_on_two_gpus_matches_tp1(
     assert np.abs(logits[0] - logits[1]).max() < 0.1  # bf16 matmuls split differently
     assert losses[0]["pg_loss"] == pytest.approx(losses[1]["pg_loss"], abs=1e-6)
     assert losses[0]["grad_norm"] == pytest.approx(losses[1]["grad_norm"], rel=0.05)
+
+
+def test_offloader_cycle_with_megatrons_mixed_precision_optimizer() -> None:
+    """Megatron's bf16 optimizer (fp32 masters, fused AdamW): a sleep frees the parameters, masters and
+    Adam state, the wake-up rebuilds the parameters from the masters, and training goes on bit for bit
+    as on a twin that never slept. (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from vime_trainer.megatron.memory import Offloader
+
+    def build() -> tuple[torch.nn.Module, Float16OptimizerWithFloat16Params]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 64))
+        model = model.to("cuda", torch.bfloat16)
+        config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return model, Float16OptimizerWithFloat16Params(inner, config, None, lambda *_: None)
+
+    def step(model: torch.nn.Module, opt: Float16OptimizerWithFloat16Params, seed: int) -> None:
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt._copy_model_grads_to_main_grads()
+        opt.optimizer.step()
+        opt._copy_main_params_to_model_params()
+
+    model, opt = build()
+    twin, twin_opt = build()
+    for seed in (1, 2):
+        step(model, opt, seed)
+        step(twin, twin_opt, seed)
+    offloader = Offloader(model, opt, "cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    state = sum(t.nbytes for s in opt.optimizer.state.values() for t in s.values())
+    params = sum(p.nbytes for p in model.parameters())
+    offloader.sleep()
+    assert torch.cuda.memory_allocated() <= base - state - params - params * 2  # masters are fp32
+    assert offloader._host is not None and offloader._host.is_pinned()
+    assert offloader._host.numel() == state + 2 * params  # masters and state; parameters rebuilt
+    offloader.wake_up()
+    assert torch.cuda.memory_allocated() == base
+    for seed in (3, 4):
+        step(model, opt, seed)
+        step(twin, twin_opt, seed)
+    for a, b in zip(
+        [*model.parameters(), *opt.fp32_from_float16_groups[0]],
+        [*twin.parameters(), *twin_opt.fp32_from_float16_groups[0]],
+        strict=True,
+    ):
+        assert torch.equal(a, b)

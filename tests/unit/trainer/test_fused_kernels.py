@@ -1,4 +1,4 @@
-"""The GPU step's fused RoPE and SwiGLU give Megatron's unfused results, values and gradients.
+"""The GPU step's fused RoPE, SwiGLU and RMSNorm give the unfused results, values and gradients.
 
 On CPU the rotation itself (`fused.rotate`, uncompiled) is checked against Megatron's code in fp32
 and the hook against the config's validation; on a GPU the compiled kernels are checked in bf16,
@@ -7,13 +7,22 @@ and the model's own forward with the fusions on against it with them off.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
-from vime_trainer.megatron.fused import cos_sin, fused_rotary, rotate, use_fused_kernels
+from vime_trainer.megatron.fused import (
+    FusedRMSNorm,
+    cos_sin,
+    fused_rotary,
+    rms_norm,
+    rotate,
+    use_fused_kernels,
+)
 from vime_trainer.megatron.logprobs import _compiled_stats, local_stats
 
 SEQ, BATCH, HEADS, DIM = 7, 2, 3, 16
@@ -132,3 +141,71 @@ def test_compiled_log_prob_stats_equal_eager_in_bf16(rows: int, entropy_grad: bo
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     assert got[1][0] == 0  # nothing picked from another slice
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def _norm_grads(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    out = norm(x)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=x.device).reshape(out.shape).to(out.dtype))
+    assert x.grad is not None and norm.weight.grad is not None
+    grad_w = norm.weight.grad.clone()
+    norm.weight.grad = None
+    return out.detach(), x.grad, grad_w
+
+
+class _Eager(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(weight.clone()), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def test_rms_norm_equals_torchs_with_gradients() -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.RMSNorm(DIM, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    for shape in [(SEQ, 1, DIM), (SEQ, 1, HEADS, DIM)]:  # hidden states; per-head query / key
+        x = torch.randn(*shape)
+        want = _norm_grads(ref, x)
+        got = _norm_grads(_Eager(ref.weight.detach(), 1e-6), x)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+
+
+def test_fused_norm_replaces_every_norm_of_a_layer() -> None:
+    from types import SimpleNamespace
+
+    from vime_trainer.megatron.model import layer_spec
+
+    arch: Any = SimpleNamespace(qk_layernorm=True)  # all layer_spec reads of the architecture
+    plain = layer_spec(arch, use_sdpa=True).submodules
+    fused = layer_spec(arch, use_sdpa=True, fused_norm=True).submodules
+    attn = fused.self_attention.submodules
+    norms = (fused.input_layernorm, fused.pre_mlp_layernorm, attn.q_layernorm, attn.k_layernorm)
+    assert all(n is FusedRMSNorm for n in norms)
+    assert plain.input_layernorm is not FusedRMSNorm
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on the GPU")
+def test_compiled_rms_norm_equals_torchs_in_bf16() -> None:
+    """Two widths (hidden size, head dim) and two lengths each: one graph per width, any length."""
+
+    class Config:
+        params_dtype = torch.bfloat16
+
+    for width in (4 * DIM, DIM):
+        ref = torch.nn.RMSNorm(width, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5)
+        fused = FusedRMSNorm(Config(), width, eps=1e-6).cuda()
+        with torch.no_grad():
+            fused.weight.copy_(ref.weight)
+        for seq in (SEQ, 3 * SEQ):
+            x = torch.randn(seq, 1, HEADS, width, device="cuda", dtype=torch.bfloat16)
+            got = _norm_grads(fused, x)
+            want = _norm_grads(ref, x)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

@@ -1,4 +1,4 @@
-"""Fused RoPE and SwiGLU for the GPU step, without TransformerEngine or Apex.
+"""Fused RoPE, SwiGLU and RMSNorm for the GPU step, without TransformerEngine or Apex.
 
 Megatron's unfused RoPE is about ten kernels per call on each of the query and the key (slices,
 cos/sin, the rotate-half ``cat``, two products and a sum, the same again in backward), and its
@@ -8,7 +8,10 @@ H200 (docs/benchmarks.md). Both fusions are Megatron's own switches: ``bias_acti
 selects its ``torch.compile``d SwiGLU (forward and backward one kernel each; only the input is
 kept), and ``apply_rope_fusion`` calls ``rope_utils.fused_apply_rotary_pos_emb``, the hook
 TransformerEngine's kernel fills when installed; `use_fused_kernels` fills it with `fused_rotary`,
-compiled. The CPU step keeps Megatron's unfused code (no compiler needed in CI).
+compiled. `FusedRMSNorm` replaces ``torch.nn.RMSNorm`` (what Megatron's local spec builds without
+Apex) in every layer: torch's kernels took 58 ms of a 505 ms Qwen3-0.6B step on the H100 (forward
+21, input gradient 24, and a separate reduction for the weight's gradient 13), for ~17 ms of memory
+traffic. The CPU step keeps Megatron's unfused code (no compiler needed in CI).
 """
 
 from __future__ import annotations
@@ -74,3 +77,32 @@ def use_fused_kernels() -> dict[str, bool]:
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_rotary
     return {"apply_rope_fusion": True, "bias_activation_fusion": True}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, in fp32, rounded once (as torch's CUDA kernel computes it)."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype)
+
+
+@cache
+def _compiled_rms_norm() -> Any:
+    return torch.compile(rms_norm)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """`rms_norm` compiled (one kernel forward, the backward's with its weight gradient), with the
+    constructor Megatron's layer spec calls norms with and ``torch.nn.RMSNorm``'s parameter name."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        # one graph per width (hidden size, head dim), any number of rows
+        torch._dynamo.mark_dynamic(rows, 0)
+        torch._dynamo.mark_static(rows, 1)
+        return _compiled_rms_norm()(rows, self.weight, self.eps).view(x.shape)

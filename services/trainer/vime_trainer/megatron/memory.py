@@ -2,11 +2,21 @@
 
 Colocated with vLLM, the trainer must give the GPU back while the engines generate. `Offloader`
 empties the *storages* behind parameters, fp32 master weights and optimizer state
-(``untyped_storage().resize_(0)`` after copying them to pinned CPU memory) and simply drops the
-gradient buffers, which are zeroed before every step anyway. Tensor objects, views into DDP's
-flat buffers and the optimizer's references all stay valid, so ``wake_up`` only resizes the
-storages back and copies the bytes in. On CPU the same path runs (the copy goes to ordinary
-memory), which is what lets CPU tests show that a sleep/wake cycle leaves results unchanged.
+(``untyped_storage().resize_(0)``) and brings them back in place: tensor objects, views into
+DDP's flat buffers and the optimizer's references all stay valid. What is copied, and how:
+
+- The fp32 masters and the Adam state go to one pinned host buffer, allocated at the first sleep
+  and reused, as asynchronous copies with one wait at the end (a pinned allocation and a blocking
+  copy per tensor ran at 35–39 GB/s on the H100).
+- The bf16 parameters are not copied when a mixed-precision optimizer holds an fp32 master of
+  each: they are its rounding (the optimizer writes them so after every step), so ``wake_up``
+  rebuilds them on the device from the masters. 1.2 GB of the 0.6B shape's 8.4 GB each way.
+- Gradient buffers are dropped, not copied: they are zeroed before every step anyway.
+- ``wake_up`` first takes the whole size in one allocation and frees it, so the storages are
+  carved from one cached segment rather than one ``cudaMalloc`` each (~1,200 on the 0.6B shape).
+
+On CPU the same path runs (the copy goes to ordinary memory), which is what lets CPU tests show
+that a sleep/wake cycle leaves results unchanged.
 
 `WeightBackup` keeps named CPU copies of this rank's parameters: ``"actor"`` after each training
 step (the weight push reads it while the model sleeps) and ``"ref"`` (the reference policy for
@@ -16,6 +26,7 @@ the KL term).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -30,14 +41,37 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]
             yield storage
 
 
+def _chained(optimizer: object) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def optimizer_tensors(optimizer: object) -> Iterator[torch.Tensor]:
     """Master parameters and state tensors of a Megatron (possibly chained) optimizer."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _chained(optimizer):
         inner = getattr(opt, "optimizer", opt)
         for group in inner.param_groups:
             yield from group["params"]
         for state in inner.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def params_with_masters(optimizer: object) -> set[int]:
+    """Ids of the model parameters a mixed-precision optimizer rebuilds from fp32 masters
+    (Megatron's ``float16_groups``); empty for an optimizer that steps the parameters themselves."""
+    ids: set[int] = set()
+    for opt in _chained(optimizer):
+        if not hasattr(opt, "_copy_main_params_to_model_params"):
+            continue
+        for model_group, main_group in zip(
+            getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True
+        ):
+            ids.update(id(p) for p, _ in zip(model_group, main_group, strict=True))
+    return ids
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage as a flat uint8 tensor (for a copy into a slice of the host buffer)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class Offloader:
@@ -47,45 +81,66 @@ class Offloader:
         self.model = model
         self.optimizer = optimizer
         self.device = torch.device(device)
-        self._saved: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._host: torch.Tensor | None = None
+        """The pinned (CPU: ordinary) buffer every sleep copies into; grows only when the state does."""
+        self._saved: list[tuple[torch.UntypedStorage, int, int]] = []
+        """Storages copied to the host buffer, with their offset in it and their size."""
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
+        """Storages freed without a copy (gradients, parameters rebuilt from masters), with their size."""
+        self._rebuild = False
         self.asleep = False
 
     def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        params = [p.data for p in self.model.parameters()]
+        """(tensors whose bytes are copied, tensors only freed) on this device."""
+        params = list(self.model.parameters())
+        derived = params_with_masters(self.optimizer)
+        self._rebuild = bool(derived) and all(id(p) in derived for p in params)
+        kept = list(optimizer_tensors(self.optimizer))
         grads = [
             g
-            for p in self.model.parameters()
-            for g in (getattr(p, "main_grad", None), p.grad)
+            for t in (*params, *kept)  # the masters' grads: views of DDP's buffer, or fp32 copies
+            for g in (getattr(t, "main_grad", None), t.grad)
             if g is not None
         ]
-        kept = [*params, *(t for t in optimizer_tensors(self.optimizer))]
-        on_device = [t for t in kept if t.device == self.device]
-        return on_device, [g for g in grads if g.device == self.device]
+        freed = grads
+        if self._rebuild:
+            freed = [*grads, *(p.data for p in params)]
+        else:
+            kept = [*(p.data for p in params), *kept]
+        return [t for t in kept if t.device == self.device], [t for t in freed if t.device == self.device]
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host is None or self._host.numel() < nbytes:
+            self._host = None  # free the old one first
+            pin = self.device.type == "cuda"
+            self._host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        return self._host
 
     def sleep(self) -> int:
         """Free the device memory of parameters, grads and optimizer state; returns bytes freed."""
         if self.asleep:
             return 0
-        kept, grads = self._state()
-        pin = self.device.type == "cuda"
-        freed = 0
-        grad_keys = {s.data_ptr() for s in _storages(grads)}
-        for storage in _storages(kept):
-            if storage.data_ptr() in grad_keys:
-                continue
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
-            backup = host.untyped_storage()
-            backup.copy_(storage)
-            self._saved.append((storage, backup))
-            freed += storage.nbytes()
+        kept, freed_only = self._state()
+        dropped = list(_storages(freed_only))
+        dropped_keys = {s.data_ptr() for s in dropped}
+        saved = [s for s in _storages(kept) if s.data_ptr() not in dropped_keys]
+        host = self._host_buffer(sum(s.nbytes() for s in saved))
+        offset = 0
+        for storage in saved:
+            n = storage.nbytes()
+            host[offset : offset + n].copy_(_bytes_view(storage), non_blocking=True)
+            self._saved.append((storage, offset, n))
+            offset += n
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies are done before their storages are freed
+        freed = offset
+        for storage in saved:
             storage.resize_(0)
-        for storage in _storages(grads):
+        for storage in dropped:
             self._dropped.append((storage, storage.nbytes()))
             freed += storage.nbytes()
             storage.resize_(0)
-        if pin:
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":
             # cuBLAS keeps a workspace per handle and stream in the allocator; the engines want it
             clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear_cublas is not None:
@@ -98,11 +153,20 @@ class Offloader:
         """Bring everything back where it was (grads come back zeroed)."""
         if not self.asleep:
             return
-        for storage, backup in self._saved:
-            storage.resize_(backup.nbytes())
-            storage.copy_(backup, non_blocking=True)
-        for storage, nbytes in self._dropped:
-            storage.resize_(nbytes)
+        if self.device.type == "cuda":
+            _reserve_one_segment([n for _, _, n in self._saved] + [n for _, n in self._dropped], self.device)
+        host = self._host
+        for storage, offset, n in self._saved:
+            assert host is not None
+            storage.resize_(n)
+            _bytes_view(storage).copy_(host[offset : offset + n], non_blocking=True)
+        for storage, n in self._dropped:
+            storage.resize_(n)
+        if self._rebuild:
+            with torch.no_grad():
+                for opt in _chained(self.optimizer):
+                    if hasattr(opt, "_copy_main_params_to_model_params"):
+                        opt._copy_main_params_to_model_params()
         zero_grads = getattr(self.model, "zero_grad_buffer", None)
         if zero_grads is not None:
             zero_grads()
@@ -111,6 +175,18 @@ class Offloader:
         self._saved.clear()
         self._dropped.clear()
         self.asleep = False
+
+
+LARGE_BLOCK = 1 << 20
+"""The caching allocator serves requests above 1 MiB from its large pool, in 512-byte steps."""
+
+
+def _reserve_one_segment(sizes: list[int], device: torch.device) -> None:
+    """Allocate and free the large requests' total at once: the allocator keeps the segment and
+    splits it for the requests that follow, instead of a ``cudaMalloc`` per request."""
+    total = sum(-(-n // 512) * 512 for n in sizes if n > LARGE_BLOCK)
+    if total:
+        torch.empty(total, dtype=torch.uint8, device=device)  # freed at once, the segment kept
 
 
 class WeightBackup:

@@ -111,8 +111,14 @@ def make_micro_batch(cols: SampleColumns, device: str | torch.device, packed: bo
     advantages = np.fromiter((a for r in returns for a in r), dtype=np.float32, count=len(pos))
     has_lp = np.repeat(cols.has_rollout_log_probs.astype(bool), resp)
 
+    to_gpu = torch.device(device).type == "cuda"
+
     def t(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)  # a copy: batch arrays may be read-only
+        host = torch.tensor(x, dtype=dtype)  # a copy: batch arrays may be read-only
+        if not to_gpu:
+            return host
+        # from pinned memory the copy is queued, not waited for (a pageable one blocks the host)
+        return host.pin_memory().to(device, non_blocking=True)
 
     packing = None
     if packed:

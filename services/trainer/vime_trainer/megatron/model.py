@@ -21,7 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.config import TrainerConfig
-from vime_trainer.megatron.fused import use_fused_kernels
+from vime_trainer.megatron.fused import FusedRMSNorm, use_fused_kernels
 from vime_trainer.megatron.runtime import RankInfo
 from vime_trainer.weights.architecture import Architecture
 from vime_trainer.weights.hf_checkpoint import HFReader
@@ -113,12 +113,21 @@ def transformer_config(
     )
 
 
-def layer_spec(arch: Architecture, use_sdpa: bool, packed_kernel: str = "segments") -> ModuleSpec:
+def layer_spec(
+    arch: Architecture, use_sdpa: bool, packed_kernel: str = "segments", fused_norm: bool = False
+) -> ModuleSpec:
     """The local (non-TransformerEngine) layer spec, with SDPA core attention when asked.
 
-    ``packed_kernel`` is the SDPA module's kernel for packed micro-batches (`sdpa.PACKED_KERNELS`).
+    ``packed_kernel`` is the SDPA module's kernel for packed micro-batches (`sdpa.PACKED_KERNELS`);
+    ``fused_norm`` puts `fused.FusedRMSNorm` in place of every norm of a layer (GPU only).
     """
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    if fused_norm:
+        sub = spec.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = FusedRMSNorm
+        if arch.qk_layernorm:
+            sub.self_attention.submodules.q_layernorm = FusedRMSNorm
+            sub.self_attention.submodules.k_layernorm = FusedRMSNorm
     if use_sdpa:
         from vime_trainer.megatron.sdpa import SDPAttention
 
@@ -137,7 +146,12 @@ def build_model(arch: Architecture, trainer: TrainerConfig, info: RankInfo) -> P
     dtype = params_dtype(trainer, on_gpu)
     model = PolicyModel(
         transformer_config(arch, info, dtype, trainer.recompute_activations),
-        layer_spec(arch, trainer.use_sdpa, resolve_packed_kernel(trainer.packed_attention, on_gpu)),
+        layer_spec(
+            arch,
+            trainer.use_sdpa,
+            resolve_packed_kernel(trainer.packed_attention, on_gpu),
+            fused_norm=on_gpu and trainer.fused_norm,
+        ),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=info.is_first_stage,

@@ -1,0 +1,137 @@
+"""`Offloader`: a sleep/wake cycle frees every storage and brings the training state back exactly.
+
+The mixed-precision optimizer here is a stand-in with the part of Megatron's
+``Float16OptimizerWithFloat16Params`` the offloader reads (``float16_groups``,
+``fp32_from_float16_groups``, ``_copy_main_params_to_model_params``; Megatron's class refuses CPU
+tensors); tests/gpu/test_megatron_gpu.py runs the real one on the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from vime_trainer.megatron.memory import Offloader, params_with_masters
+
+
+class MixedPrecision:
+    """bf16 model parameters stepped through fp32 masters by AdamW, rounded back after each step."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.float16_groups = [params]
+        self.fp32_from_float16_groups = [[p.detach().float().clone() for p in params]]
+        self.optimizer = torch.optim.AdamW(self.fp32_from_float16_groups[0], lr=0.05)
+
+    def step(self) -> None:
+        for p, main in zip(self.float16_groups[0], self.fp32_from_float16_groups[0], strict=True):
+            main.grad = p.grad.float()
+            p.grad = None
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for p, main in zip(self.float16_groups[0], self.fp32_from_float16_groups[0], strict=True):
+            p.data.copy_(main)
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def _train(model: torch.nn.Module, opt: MixedPrecision | torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+    opt.step()
+
+
+def _snapshot(model: torch.nn.Module, opt: MixedPrecision) -> list[torch.Tensor]:
+    masters = opt.fp32_from_float16_groups[0]
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [t.detach().clone() for t in (*model.parameters(), *masters, *state)]
+
+
+def test_a_cycle_frees_everything_and_restores_masters_state_and_rounded_params() -> None:
+    model = _model(torch.bfloat16)
+    opt = MixedPrecision(list(model.parameters()))
+    _train(model, opt, seed=1)
+    before = _snapshot(model, opt)
+    twin_model, twin_opt = copy.deepcopy(model), copy.deepcopy(opt)
+    twin_opt.float16_groups = [list(twin_model.parameters())]
+    offloader = Offloader(model, opt, "cpu")
+
+    param_bytes = sum(p.numel() * 2 for p in model.parameters())
+    master_grad_bytes = sum(m.grad.nbytes for m in opt.fp32_from_float16_groups[0])  # dropped, not copied
+    freed = offloader.sleep()
+    assert all(t.untyped_storage().nbytes() == 0 for t in _live(model, opt))
+    assert offloader._host is not None
+    # masters (fp32) and the two Adam moments (fp32) are copied; the bf16 parameters are not
+    assert offloader._host.numel() == sum(b.nbytes for b in before[len(list(model.parameters())) :])
+    assert freed == offloader._host.numel() + param_bytes + master_grad_bytes
+    host = offloader._host.data_ptr()
+
+    offloader.wake_up()
+    after = _snapshot(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+    # the state trains on exactly as if it had never slept; the second cycle reuses the buffer
+    _train(model, opt, seed=2)
+    _train(twin_model, twin_opt, seed=2)
+    offloader.sleep()
+    assert offloader._host.data_ptr() == host
+    offloader.wake_up()
+    assert all(
+        torch.equal(a, b) for a, b in zip(_snapshot(model, opt), _snapshot(twin_model, twin_opt), strict=True)
+    )
+
+
+def test_parameters_without_masters_are_copied() -> None:
+    """fp32 training (the CPU step): the optimizer steps the parameters themselves, so they are copied."""
+    model = _model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, opt, seed=1)
+    assert params_with_masters(opt) == set()
+    before = [p.detach().clone() for p in model.parameters()]
+    offloader = Offloader(model, opt, "cpu")
+    offloader.sleep()
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    state_bytes = sum(v.nbytes for s in opt.state.values() for v in s.values())
+    assert (
+        offloader._host is not None and offloader._host.numel() == sum(b.nbytes for b in before) + state_bytes
+    )
+    offloader.wake_up()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_one_parameter_without_a_master_keeps_every_parameter_copied() -> None:
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    opt = MixedPrecision(params[:-1])  # the last bias is outside the mixed-precision groups
+    with torch.no_grad():
+        params[-1].add_(1.0)  # not the rounding of any master: it must come back from the copy
+    before = [p.detach().clone() for p in params]
+    offloader = Offloader(model, opt, "cpu")
+    offloader.sleep()
+    offloader.wake_up()
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+
+
+@pytest.mark.parametrize("awake_calls", ["wake_up", "sleep"])
+def test_repeated_calls_are_no_ops(awake_calls: str) -> None:
+    model = _model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters())
+    offloader = Offloader(model, opt, "cpu")
+    if awake_calls == "wake_up":
+        offloader.wake_up()
+        assert not offloader.asleep and offloader._host is None
+    else:
+        assert offloader.sleep() > 0
+        assert offloader.sleep() == 0
+        offloader.wake_up()
+        assert not offloader.asleep
+
+
+def _live(model: torch.nn.Module, opt: MixedPrecision) -> list[torch.Tensor]:
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [*model.parameters(), *opt.fp32_from_float16_groups[0], *state]
