@@ -65,11 +65,10 @@ def test_a_cycle_frees_everything_and_restores_masters_state_and_rounded_params(
     master_grad_bytes = sum(m.grad.nbytes for m in opt.fp32_from_float16_groups[0])  # dropped, not copied
     freed = offloader.sleep()
     assert all(t.untyped_storage().nbytes() == 0 for t in _live(model, opt))
-    assert offloader._host is not None
     # masters (fp32) and the two Adam moments (fp32) are copied; the bf16 parameters are not
-    assert offloader._host.numel() == sum(b.nbytes for b in before[len(list(model.parameters())) :])
-    assert freed == offloader._host.numel() + param_bytes + master_grad_bytes
-    host = offloader._host.data_ptr()
+    assert offloader.host_bytes == sum(b.nbytes for b in before[len(list(model.parameters())) :])
+    assert freed == offloader.host_bytes + param_bytes + master_grad_bytes
+    hosts = [h.data_ptr() for h in offloader._host]
 
     offloader.wake_up()
     after = _snapshot(model, opt)
@@ -79,7 +78,7 @@ def test_a_cycle_frees_everything_and_restores_masters_state_and_rounded_params(
     _train(model, opt, seed=2)
     _train(twin_model, twin_opt, seed=2)
     offloader.sleep()
-    assert offloader._host.data_ptr() == host
+    assert [h.data_ptr() for h in offloader._host] == hosts
     offloader.wake_up()
     assert all(
         torch.equal(a, b) for a, b in zip(_snapshot(model, opt), _snapshot(twin_model, twin_opt), strict=True)
@@ -97,9 +96,7 @@ def test_parameters_without_masters_are_copied() -> None:
     offloader.sleep()
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     state_bytes = sum(v.nbytes for s in opt.state.values() for v in s.values())
-    assert (
-        offloader._host is not None and offloader._host.numel() == sum(b.nbytes for b in before) + state_bytes
-    )
+    assert offloader.host_bytes == sum(b.nbytes for b in before) + state_bytes
     offloader.wake_up()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
@@ -117,6 +114,25 @@ def test_one_parameter_without_a_master_keeps_every_parameter_copied() -> None:
     assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
 
 
+def test_the_state_of_the_first_step_gets_one_more_buffer_and_nothing_is_wasted() -> None:
+    """The trainer sleeps once before its first step (no Adam state yet), then after every step."""
+    model = _model(torch.bfloat16)
+    opt = MixedPrecision(list(model.parameters()))
+    offloader = Offloader(model, opt, "cpu")
+    offloader.sleep()
+    offloader.wake_up()
+    masters = offloader.host_bytes
+    assert len(offloader._host) == 1 and masters == sum(m.nbytes for m in opt.fp32_from_float16_groups[0])
+    _train(model, opt, seed=1)
+    for _ in range(2):
+        before = _snapshot(model, opt)
+        offloader.sleep()
+        offloader.wake_up()
+        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt), strict=True))
+        state = sum(v.nbytes for s in opt.optimizer.state.values() for v in s.values())
+        assert len(offloader._host) == 2 and offloader.host_bytes == masters + state
+
+
 @pytest.mark.parametrize("awake_calls", ["wake_up", "sleep"])
 def test_repeated_calls_are_no_ops(awake_calls: str) -> None:
     model = _model(torch.float32)
@@ -124,7 +140,7 @@ def test_repeated_calls_are_no_ops(awake_calls: str) -> None:
     offloader = Offloader(model, opt, "cpu")
     if awake_calls == "wake_up":
         offloader.wake_up()
-        assert not offloader.asleep and offloader._host is None
+        assert not offloader.asleep and offloader.host_bytes == 0
     else:
         assert offloader.sleep() > 0
         assert offloader.sleep() == 0
