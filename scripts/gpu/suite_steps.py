@@ -222,7 +222,9 @@ the machine's start and the bundle's four parts): ``loop train_kernels bench_tra
 ``bench_async_sync`` (330), ``bench_async`` (261), ``bench_step`` (315), ``bench_rollout`` (225,
 one round) and ``bench_train_4b`` (45: out of memory on 79 GiB), back to back: the machine goes back
 after 30 s idle, so the calls follow each other without analysis between them. The most telling
-step of a call goes first, so a call cut short loses the least."""
+step of a call goes first, so a call cut short loses the least. Later on 12-06 (H100):
+``train_kernels megatron bench_train`` 284 s (six 0.6B variants), ``bench_step`` 305 s,
+``bench_rollout`` 254 s (two rounds, the order swapped)."""
 
 
 class SelectionError(ValueError):

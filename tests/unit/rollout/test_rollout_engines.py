@@ -138,12 +138,25 @@ def test_container_spec_shares_ipc_and_gets_its_gpus() -> None:
     )
     assert kw["ipc_mode"] == "host" and kw["pid_mode"] == "host" and kw["network_mode"] == "host"
     assert kw["device_requests"][0]["DeviceIDs"] == ["2", "3"]
+    assert kw["ulimits"] == [{"Name": "memlock", "Soft": -1, "Hard": -1}]
     assert (
         "CUDA_VISIBLE_DEVICES" not in kw["environment"] and kw["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
     )
     assert kw["command"][:3] == ["python3", "-m", "vllm.entrypoints.cli.main"]
     assert kw["volumes"] == {"/models/q": {"bind": "/models/q", "mode": "ro"}}
     assert kw["name"] == "vime-r1-engine1"
+
+
+def test_a_cpu_engine_container_asks_for_no_gpu() -> None:
+    cfg = _cfg(**{"engine.backend": "reference"})
+    spec = plan_engines(cfg, gpus=[])[0]
+    kw = container_spec(
+        spec, reference_command(cfg, spec, "/m", "m"), image="img", run_id="r1", mounts=["/m"]
+    )
+    assert kw["device_requests"] == []  # a request would need NVIDIA's runtime on the host
+    assert kw["ulimits"] == []  # nothing pinned: no memlock a host may refuse to raise
+    assert kw["environment"]["CUDA_VISIBLE_DEVICES"] == ""  # and nothing inside sees one
+    assert kw["command"][:3] == ["python3", "-m", "vime_rollout.reference_engine"]
 
 
 def test_wake_tags_are_normalised_as_in_the_seed() -> None:

@@ -123,11 +123,15 @@ def container_spec(
     """Keyword arguments of ``docker.containers.run`` for one engine (Docker SDK).
 
     The container gets exactly its GPUs (device request; inside it they are renumbered from 0,
-    so CUDA_VISIBLE_DEVICES is dropped), the host's IPC and PID namespaces (CUDA IPC handles from
-    the colocated trainer must open), and the host network so its URL is the planned one.
-    ``mounts`` are host paths mounted at the same path (model directory, logs).
+    so CUDA_VISIBLE_DEVICES is dropped) with an unlimited memlock for pinned memory, and neither
+    for an engine without GPUs (the CPU reference engine: the request would need NVIDIA's runtime
+    on the host, the memlock a host that lets it be raised); the host's IPC and PID namespaces
+    (CUDA IPC handles from the colocated trainer must open), and the host network so its URL is
+    the planned one. ``mounts`` are host paths mounted at the same path (model, logs).
     """
-    env = {k: v for k, v in command.env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in command.env.items() if k != "CUDA_VISIBLE_DEVICES" or not spec.gpu_ids}
+    # The SDK turns this mapping into a DeviceRequest (no docker import needed to build the spec).
+    gpus = {"Driver": "nvidia", "DeviceIDs": [str(g) for g in spec.gpu_ids], "Capabilities": [["gpu"]]}
     return {
         "image": image,
         "command": ["python3", *command.argv[1:]],
@@ -138,11 +142,9 @@ def container_spec(
         "pid_mode": "host",
         "network_mode": "host",
         "shm_size": "16g",
-        "ulimits": [{"Name": "memlock", "Soft": -1, "Hard": -1}],
-        # The SDK turns this mapping into a DeviceRequest (no docker import needed to build the spec).
-        "device_requests": [
-            {"Driver": "nvidia", "DeviceIDs": [str(g) for g in spec.gpu_ids], "Capabilities": [["gpu"]]}
-        ],
+        # pinned memory for CUDA; raising it needs a host that allows it, and a CPU engine pins nothing
+        "ulimits": [{"Name": "memlock", "Soft": -1, "Hard": -1}] if spec.gpu_ids else [],
+        "device_requests": [gpus] if spec.gpu_ids else [],
         "volumes": {m: {"bind": m, "mode": "ro" if i == 0 else "rw"} for i, m in enumerate(mounts)},
         "labels": {"vime.run": run_id, "vime.engine": str(spec.index)},
         "auto_remove": False,
@@ -177,7 +179,8 @@ class ContainerProcess:
 
 
 class DockerLauncher:
-    """Sibling containers on a GPU host (unverified here: this machine has no Docker engine)."""
+    """Sibling containers on the host of the rollout manager (tests/containers runs a reference
+    engine through it on a real Docker engine; vLLM engines get their GPUs by device request)."""
 
     can_restart = True
 

@@ -103,6 +103,6 @@ class FusedRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         # one graph per width (hidden size, head dim), any number of rows
-        torch._dynamo.mark_dynamic(rows, 0)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)  # no error for a single row
         torch._dynamo.mark_static(rows, 1)
         return _compiled_rms_norm()(rows, self.weight, self.eps).view(x.shape)

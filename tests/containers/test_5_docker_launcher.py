@@ -1,0 +1,99 @@
+"""The rollout manager's Docker launcher (`engine.launcher=docker`) on a real Docker engine.
+
+A CPU reference engine runs in a sibling container started exactly as the rollout manager starts
+one (its command builder, `container_spec`, the Docker SDK), from the image the compose stack's CPU
+rollout service runs: it answers at its planned URL (host network), serves the mounted model, and
+a restart after its container is killed takes the same name again. No GPU: the spec asks for none.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from vime_rollout.engines.commands import engine_command
+from vime_rollout.engines.launchers import DockerLauncher
+from vime_rollout.engines.spec import plan_engines
+
+from vime.config import load_config
+from vime.models.tiny import build_tiny_qwen3
+from vime.retry import poll_until_blocking
+
+START_S = 180
+"""The container's start, the engine's imports and model load, on a shared 2-core machine."""
+IMAGE = f"{os.environ.get('VIME_IMAGE_PREFIX', 'vime')}-cpu-all:{os.environ.get('VIME_TAG', '0.1.0')}"
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory the image's user (uid 10001) can read: pytest's own tmp is private to root."""
+    path = Path(tempfile.mkdtemp(prefix="vime-docker-launcher-"))
+    path.chmod(0o755)
+    yield path
+    for p in sorted(path.rglob("*"), reverse=True):
+        p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
+    path.rmdir()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serving(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_docker_launcher_runs_and_restarts_a_reference_engine_container(shared_dir: Path) -> None:
+    model = Path(build_tiny_qwen3(shared_dir / "model", "micro"))
+    for p in [model, *model.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    logs = shared_dir / "logs"
+    logs.mkdir(mode=0o777)
+    logs.chmod(0o777)
+    cfg = load_config(
+        overrides=["engine.launcher=docker", "engine.backend=reference", f"engine.base_port={_free_port()}"]
+    )
+    spec = plan_engines(cfg, gpus=[])[0]
+    command = engine_command(cfg, spec, str(model), "micro")
+    launcher = DockerLauncher("launcher-test", str(model), logs, IMAGE)
+
+    proc = launcher.start(spec, command)
+    try:
+        assert proc.container.name == "vime-launcher-test-engine0"
+        poll_until_blocking(
+            lambda: _serving(spec.url) or proc.alive() is False,
+            timeout_s=START_S,
+            interval_s=1.0,
+            what="the engine container serving",
+        )
+        assert proc.alive(), proc.log_tail()
+        models = httpx.get(f"{spec.url}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["micro"]
+        assert proc.container.attrs["HostConfig"]["DeviceRequests"] in (None, [])
+
+        proc.container.kill()  # the engine dies: the group's monitor sees it and restarts it
+        poll_until_blocking(
+            lambda: proc.alive() is False, timeout_s=30, interval_s=0.5, what="the killed container seen dead"
+        )
+        proc = launcher.start(spec, command)  # the dead container's name is taken back
+        poll_until_blocking(
+            lambda: _serving(spec.url) or proc.alive() is False,
+            timeout_s=START_S,
+            interval_s=1.0,
+            what="the engine container serving",
+        )
+        assert proc.alive() and _serving(spec.url), proc.log_tail()
+    finally:
+        proc.stop()
+    assert proc.alive() is False
+    assert not launcher.client.containers.list(all=True, filters={"label": "vime.run=launcher-test"})
