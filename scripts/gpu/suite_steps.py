@@ -162,10 +162,12 @@ STEPS: dict[str, Step] = {
         Step(
             "bench_rollout",
             "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (the seed's and the manager's form), the gap by part",
-            _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024"),
+            # four rounds: on 12-06 the order moved the ratio by 3-13 points between two rounds
+            _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024")
+            + _args("--rounds 4"),
             _args("bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16"),
             timeout_s=480,
-            expect_s=330,  # vLLM's start alone took 111 s on 12-03
+            expect_s=390,  # vLLM's start 76-111 s, then ~63 s a round on an H100
         ),
         _pytest_step(
             "train_kernels",
