@@ -9,6 +9,7 @@ a restart after its container is killed takes the same name again. No GPU: the s
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -35,9 +36,7 @@ def shared_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="vime-docker-launcher-"))
     path.chmod(0o755)
     yield path
-    for p in sorted(path.rglob("*"), reverse=True):
-        p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
-    path.rmdir()
+    shutil.rmtree(path)
 
 
 def _free_port() -> int:
@@ -58,8 +57,8 @@ def test_the_docker_launcher_runs_and_restarts_a_reference_engine_container(shar
     for p in [model, *model.rglob("*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)
     logs = shared_dir / "logs"
-    logs.mkdir(mode=0o777)
-    logs.chmod(0o777)
+    logs.mkdir()
+    logs.chmod(0o777)  # the image's user writes there (mkdir's mode is cut by the umask)
     cfg = load_config(
         overrides=["engine.launcher=docker", "engine.backend=reference", f"engine.base_port={_free_port()}"]
     )
