@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -81,28 +84,42 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-async def closed_loop(urls: list[str], concurrency: int, delay_s: float, args: argparse.Namespace, mode: str):  # type: ignore[no-untyped-def]
-    """``concurrency`` workers, each sending one request after another until ``duration_s``."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=15, happy_eyeballs_delay=None)
+async def closed_loop(  # type: ignore[no-untyped-def]
+    urls: list[str],
+    concurrency: int,
+    delay_s: float,
+    args: argparse.Namespace,
+    mode: str,
+    sockets: Sequence[str] = (),
+    headers: dict[str, str] | None = None,
+):
+    """``concurrency`` workers, each sending one request after another until ``duration_s``; worker
+    ``i`` to ``urls[i % len(urls)]``, over TCP or, given ``sockets``, over ``sockets[i % len]``."""
+    connectors: list[aiohttp.BaseConnector] = [
+        aiohttp.UnixConnector(path=s, limit=0, keepalive_timeout=15) for s in sockets
+    ] or [aiohttp.TCPConnector(limit=0, keepalive_timeout=15, happy_eyeballs_delay=None)]
+    headers = {"content-type": "application/json", **(headers or {})}
     done: list[tuple[float, float]] = []
     errors = 0
     clock = time.perf_counter  # uvloop's loop.time() has millisecond resolution
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
-    ) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [
+            await stack.enter_async_context(
+                aiohttp.ClientSession(connector=c, timeout=aiohttp.ClientTimeout(total=300))
+            )
+            for c in connectors
+        ]
         start = clock()
         stop_at = start + args.duration_s
 
         async def worker(i: int) -> None:
             nonlocal errors
-            url = urls[i % len(urls)]
+            url, session = urls[i % len(urls)], sessions[i % len(sessions)]
             await asyncio.sleep(delay_s * i / concurrency)
             while clock() < stop_at:
                 t0 = clock()
                 try:
-                    async with session.post(
-                        url, data=BODY, headers={"content-type": "application/json"}
-                    ) as r:
+                    async with session.post(url, data=BODY, headers=headers) as r:
                         await r.read()
                         ok = r.status == 200
                 except aiohttp.ClientError:
@@ -123,13 +140,20 @@ async def closed_loop(urls: list[str], concurrency: int, delay_s: float, args: a
 
 
 def run_once(
-    mode: str, urls: list[str], c: int, delay_s: float, pids: dict[str, int], args: argparse.Namespace
+    mode: str,
+    urls: list[str],
+    c: int,
+    delay_s: float,
+    pids: dict[str, int],
+    args: argparse.Namespace,
+    **transport: Any,
 ) -> RunResult:
+    """One closed loop (``transport``: `closed_loop`'s ``sockets`` and ``headers``), its CPU by process."""
     import uvloop
 
     before = {k: cpu_seconds(p) for k, p in pids.items()}
     client_before = time.process_time()
-    done, errors = uvloop.run(closed_loop(urls, c, delay_s, args, mode))
+    done, errors = uvloop.run(closed_loop(urls, c, delay_s, args, mode, **transport))
     cpu = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
     cpu["client"] = time.process_time() - client_before
     n = max(1, len(done))
@@ -190,14 +214,14 @@ CPU_COLUMNS = ("client", "engines", "route-filter", "vllm-router")
 SUMMARY_COLUMNS = ("conc.", "offered req/s", "direct req/s", "router req/s", "ratio", "p50 +ms", "p99 +ms")
 
 
-def runs_table(results: list[RunResult]) -> Table:
+def runs_table(results: list[RunResult], cpu_columns: Sequence[str] = CPU_COLUMNS) -> Table:
     table = Table(title="runs (CPU µs per request by process)")
-    for col in (*RUN_COLUMNS, *CPU_COLUMNS):
+    for col in (*RUN_COLUMNS, *cpu_columns):
         table.add_column(col, justify="right")
     for r in results:
         row = [r.mode, str(r.concurrency), f"{r.delay_s:g}", f"{r.throughput:.1f}"]
         row += [f"{v:.1f}" for v in (r.p50_ms, r.p99_ms, r.max_ms)] + [str(r.errors)]
-        table.add_row(*row, *(f"{r.cpu_us.get(k, 0):.0f}" for k in CPU_COLUMNS))
+        table.add_row(*row, *(f"{r.cpu_us.get(k, 0):.0f}" for k in cpu_columns))
     return table
 
 
@@ -235,8 +259,9 @@ def report(results: list[RunResult], summaries: list[dict[str, float]]) -> None:
             )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def loop_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of the closed loops (engines, concurrencies, delays, durations, rounds, JSON)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--concurrency", type=int, nargs="+", default=[256, 2048])
     p.add_argument(
@@ -245,10 +270,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--warmup-s", type=float, default=4.0)
     p.add_argument("--rounds", type=int, default=3, help="rounds of all modes back to back, per concurrency")
+    p.add_argument("--json-out", help="write runs and summaries here")
+    return p
+
+
+def delays(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[float]:
+    """One engine delay per concurrency (``--delay-s`` given once or once per ``--concurrency``)."""
+    out: list[float] = args.delay_s * len(args.concurrency) if len(args.delay_s) == 1 else args.delay_s
+    if len(out) != len(args.concurrency):
+        p.error("give one --delay-s or one per --concurrency")
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = loop_parser(__doc__)
     p.add_argument(
         "--policy", default="round_robin", choices=["round_robin", "power_of_two", "consistent_hash"]
     )
-    p.add_argument("--json-out", help="write runs and summaries here")
     p.add_argument(
         "--modes",
         nargs="+",
@@ -257,9 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bare = vllm-router's private port, without the route filter (isolates the filter's cost)",
     )
     args = p.parse_args(argv)
-    args.delays = args.delay_s * len(args.concurrency) if len(args.delay_s) == 1 else args.delay_s
-    if len(args.delays) != len(args.concurrency) or "direct" not in args.modes or "router" not in args.modes:
-        p.error("give one --delay-s or one per --concurrency, and keep the direct and router modes")
+    args.delays = delays(p, args)
+    if "direct" not in args.modes or "router" not in args.modes:
+        p.error("keep the direct and router modes")
     return args
 
 
@@ -273,17 +311,28 @@ def run_all(
     pids = {"route-filter": dp["filter_pid"], "vllm-router": dp["router_pid"]}
     pids |= {f"engine {e.engine_id}": e.child.pid for e in engines}
     targets = {
-        "direct": [e.url + GENERATE_PATH for e in engines],
-        "bare": [dp["router_url"] + GENERATE_PATH],  # vllm-router without the filter
-        "router": [router.data_url + GENERATE_PATH],
+        "direct": {"urls": [e.url + GENERATE_PATH for e in engines]},
+        "bare": {"urls": [dp["router_url"] + GENERATE_PATH]},  # vllm-router without the filter
+        "router": {"urls": [router.data_url + GENERATE_PATH]},
     }
+    return run_rounds(args, engines, pids, targets)
+
+
+def run_rounds(
+    args: argparse.Namespace,
+    engines: list[FakeEngineProcess],
+    pids: dict[str, int],
+    targets: dict[str, dict[str, Any]],
+) -> list[RunResult]:
+    """Every concurrency (the engines' delay set to its own), ``rounds`` times every mode back to
+    back; ``targets``: each mode's `run_once` keywords (``urls``, ``sockets``, ``headers``)."""
     results = []
     for c, delay in zip(args.concurrency, args.delays, strict=True):
         for e in engines:
             e.configure(delay_s=delay)
         for _ in range(args.rounds):
             for mode in args.modes:
-                r = run_once(mode, targets[mode], c, delay, pids, args)
+                r = run_once(mode, c=c, delay_s=delay, pids=pids, args=args, **targets[mode])
                 console.print(
                     f"{mode:>6} c={c} delay={delay:g}s: {r.throughput:.1f} req/s, p99 {r.p99_ms:.1f} ms"
                 )
@@ -304,6 +353,11 @@ def main(argv: list[str] | None = None) -> None:
         stop_all([*(e.child for e in engines), *([router.child] if router else [])])
     summaries = [summarize(results, c) for c in args.concurrency]
     report(results, summaries)
+    finish(args, results, summaries)
+
+
+def finish(args: argparse.Namespace, results: list[RunResult], summaries: Any) -> None:
+    """The load average after, and with ``--json-out`` the runs and summaries in that file."""
     console.print(f"load average after: {os.getloadavg()[0]:.1f}")
     if args.json_out:
         payload = {"args": vars(args), "runs": [asdict(r) for r in results], "summaries": summaries}

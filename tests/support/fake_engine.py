@@ -1,7 +1,8 @@
 """A minimal fake inference engine: a real HTTP server process that speaks vLLM's generate shapes.
 
 For router tests and benchmarks, where the engine's answer does not matter but its timing and
-identity do: ``python tests/support/fake_engine.py --port P --engine-id e0 --delay-s 1.5``.
+identity do: ``python tests/support/fake_engine.py --port P --engine-id e0 --delay-s 1.5`` (or
+``--uds PATH``: on a Unix socket instead, as an engine behind its gate listens).
 
 - ``GET /health`` (200, or 503 after ``POST /fake/config {"healthy": false}``); ``GET /version``
   like vLLM's (the router registers only what answers it)
@@ -182,6 +183,9 @@ class Handlers:
         self.engine.control_calls[request.path] += 1
         return web.json_response({"status": "ok", "engine_id": self.engine.engine_id})
 
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": "0.26.0"})
+
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.engine.healthy else 503)
 
@@ -215,7 +219,7 @@ def build_app(engine: FakeEngine) -> web.Application:
     for path in CONTROL_ROUTES:
         app.router.add_post(path, h.control)
     app.router.add_get("/health", h.health)
-    app.router.add_get("/version", lambda _: web.json_response({"version": "0.26.0"}))
+    app.router.add_get("/version", h.version)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/fake/stats", h.stats)
     app.router.add_post("/fake/config", h.configure)
@@ -225,7 +229,9 @@ def build_app(engine: FakeEngine) -> web.Application:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="fake inference engine for router tests")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--port", type=int)
+    where.add_argument("--uds", help="listen on this Unix socket instead of a TCP port")
     p.add_argument("--engine-id", required=True)
     p.add_argument("--delay-s", type=float, default=0.0, help="fixed time every generate takes")
     p.add_argument("--max-tokens-cap", type=int, default=64, help="most tokens one reply carries")
@@ -237,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None, backlog=4096)
+    address = {"path": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    web.run_app(build_app(engine), **address, print=None, access_log=None, backlog=4096)
 
 
 if __name__ == "__main__":

@@ -17,35 +17,61 @@ FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
 @dataclass
 class FakeEngineProcess:
-    """A running `fake_engine.py`."""
+    """A running `fake_engine.py`; behind a gate (``gate``), ``port`` is the gate's, the engine
+    listens on ``socket`` and the fake's own control routes need ``token``."""
 
     engine_id: str
     port: int
     child: procs.Child
+    gate: procs.Child | None = None
+    socket: str | None = None
+    token: str | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters (generate_total, in_flight, control_calls, sessions, ...)."""
-        return dict(httpx.get(f"{self.url}/fake/stats", timeout=5).json())
+        return dict(httpx.get(f"{self.url}/fake/stats", headers=self.headers(), timeout=5).json())
 
     def configure(self, **changes: Any) -> dict[str, Any]:
         """Change ``delay_s`` or ``healthy`` while it runs."""
-        return dict(httpx.post(f"{self.url}/fake/config", json=changes, timeout=5).json())
+        r = httpx.post(f"{self.url}/fake/config", json=changes, headers=self.headers(), timeout=5)
+        return dict(r.raise_for_status().json())
+
+    def children(self) -> list[procs.Child]:
+        return [self.child, *([self.gate] if self.gate else [])]
 
 
 def start_fake_engine(
-    engine_id: str, log_dir: Path, *, delay_s: float = 0.0, port: int | None = None, max_tokens_cap: int = 64
+    engine_id: str,
+    log_dir: Path,
+    *,
+    delay_s: float = 0.0,
+    port: int | None = None,
+    max_tokens_cap: int = 64,
+    gate_dir: Path | None = None,
+    token: str | None = None,
 ) -> FakeEngineProcess:
-    """Start one fake engine (not waiting for it)."""
+    """Start one fake engine (not waiting for it); with ``gate_dir``, behind its gate as the rollout
+    manager starts an engine (`vime_rollout.engines.gate`): the engine on a Unix socket in that
+    private directory, Caddy on ``port`` (``token`` its key)."""
     port = port or procs.free_port()
+    gate, socket = None, None
+    if gate_dir is not None:
+        from vime_rollout.engines.gate import gate_argv
+
+        socket = str(gate_dir / f"{engine_id}.sock")
+        argv = gate_argv(gate_dir, engine_id, host="127.0.0.1", port=port, socket_path=socket, token=token)
+        gate = procs.start(f"gate-{engine_id}", argv, log_path=log_dir / f"gate-{engine_id}.log")
     argv = [
         sys.executable,
         str(FAKE_ENGINE),
-        "--port",
-        str(port),
+        *(["--uds", socket] if socket else ["--port", str(port)]),
         "--engine-id",
         engine_id,
         "--delay-s",
@@ -54,22 +80,37 @@ def start_fake_engine(
         str(max_tokens_cap),
     ]
     child = procs.start(f"fake-{engine_id}", argv, log_path=log_dir / f"fake-{engine_id}.log")
-    return FakeEngineProcess(engine_id, port, child)
+    return FakeEngineProcess(engine_id, port, child, gate, socket, token if gate else None)
 
 
 def start_fake_engines(
-    count: int, log_dir: Path, *, delay_s: float = 0.0, prefix: str = "e", max_tokens_cap: int = 64
+    count: int,
+    log_dir: Path,
+    *,
+    delay_s: float = 0.0,
+    prefix: str = "e",
+    max_tokens_cap: int = 64,
+    gate_dir: Path | None = None,
+    token: str | None = None,
 ) -> list[FakeEngineProcess]:
-    """Start ``count`` fake engines ``e0..e{count-1}`` and wait until each answers /health."""
+    """Start ``count`` fake engines ``e0..e{count-1}`` (behind gates: `start_fake_engine`) and wait
+    until each answers /health."""
     engines = [
-        start_fake_engine(f"{prefix}{i}", log_dir, delay_s=delay_s, max_tokens_cap=max_tokens_cap)
+        start_fake_engine(
+            f"{prefix}{i}",
+            log_dir,
+            delay_s=delay_s,
+            max_tokens_cap=max_tokens_cap,
+            gate_dir=gate_dir,
+            token=token,
+        )
         for i in range(count)
     ]
     try:
         for e in engines:
             procs.wait_healthy(e.url, e.child, timeout_s=60)
     except Exception:
-        stop_all(e.child for e in engines)
+        stop_all(c for e in engines for c in e.children())
         raise
     return engines
 
