@@ -264,7 +264,8 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
 
 def rank_parts(row: dict[str, Any]) -> dict[str, float]:
     """Where ``T_train`` went: the training rank's parts (``train/t_*_s``) as ``rank_t_*_s``, and
-    the trainer's wake-up and sleep (``trainer/*_s``) as ``trainer_*_s``."""
+    the trainer's wake-up and sleep (``trainer/*_s``) and its memory (``trainer/peak_gib``, the
+    step's peak; ``trainer/asleep_reserved_gib``, what it holds while the engines run) as ``trainer_*``."""
     parts = {f"rank_{k.removeprefix('train/')}": float(v) for k, v in row.items() if k.startswith("train/t_")}
     return parts | {k.replace("/", "_"): float(v) for k, v in row.items() if k.startswith("trainer/")}
 

@@ -201,7 +201,11 @@ class RunConfig(Section):
     offload_rollout: bool | None = None
     """Engines sleep while training; defaults to colocate in the sync mode (never in async)."""
     offload_train: bool | None = None
-    """Trainer frees GPU memory while engines run; defaults to colocate in the sync mode (never in async)."""
+    """The trainer's parameters, fp32 masters and optimizer state wait in host memory while the
+    engines run; defaults to colocate in the sync mode (never in async). False in the synchronous
+    colocated step: they stay on the GPU (only gradients, parameters rebuilt from their masters and
+    cached blocks are freed), so sleep and wake-up copy nothing; refused at the first sleep when
+    that state does not fit beside ``engine.gpu_memory_utilization``."""
     flush_cache_interval: int = Field(1, ge=1)
     """Abort in-flight requests and flush the prefix cache every N weight versions (seed steps 8, 45)."""
 

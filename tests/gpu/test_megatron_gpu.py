@@ -97,13 +97,15 @@ def test_tp2_on_two_gpus_matches_tp1(
     assert losses[0]["grad_norm"] == pytest.approx(losses[1]["grad_norm"], rel=0.05)
 
 
-def test_offloader_cycle_with_megatrons_mixed_precision_optimizer() -> None:
+@pytest.mark.parametrize("offload", [True, False])
+def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool) -> None:
     """Megatron's bf16 optimizer (fp32 masters, fused AdamW): a sleep frees the parameters, masters and
-    Adam state, the wake-up rebuilds the parameters from the masters, and training goes on bit for bit
-    as on a twin that never slept. (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
+    Adam state (without offload: the parameters only; the rest stays, nothing is copied), the wake-up
+    rebuilds the parameters from the masters, and training goes on bit for bit as on a twin that
+    never slept. (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-    from vime_trainer.megatron.memory import Offloader
+    from vime_trainer.megatron.memory import Offloader, check_room_for_engines
 
     def build() -> tuple[torch.nn.Module, Float16OptimizerWithFloat16Params]:
         torch.manual_seed(0)
@@ -131,10 +133,19 @@ def test_offloader_cycle_with_megatrons_mixed_precision_optimizer() -> None:
     base = torch.cuda.memory_allocated()
     state = sum(t.nbytes for s in opt.optimizer.state.values() for t in s.values())
     params = sum(p.nbytes for p in model.parameters())
-    offloader.sleep()
-    assert torch.cuda.memory_allocated() <= base - state - params - params * 2  # masters are fp32
-    assert all(h.is_pinned() for h in offloader._host)
-    assert offloader.host_bytes == state + 2 * params  # masters and state; parameters rebuilt
+    offloader.sleep(offload)
+    if offload:
+        assert torch.cuda.memory_allocated() <= base - state - params - params * 2  # masters are fp32
+        assert all(h.is_pinned() for h in offloader._host)
+        assert offloader.host_bytes == state + 2 * params  # masters and state; parameters rebuilt
+    else:
+        assert base - torch.cuda.memory_allocated() >= params and offloader.host_bytes == 0
+        assert torch.cuda.memory_reserved() >= state + 2 * params  # the state stays on the GPU
+        check_room_for_engines("cuda:0", 0.5)
+        with pytest.raises(MemoryError, match="offload_train=false keeps"):
+            check_room_for_engines(
+                "cuda:0", 0.5, pending_bytes=torch.cuda.get_device_properties(0).total_memory
+            )
     offloader.wake_up()
     assert torch.cuda.memory_allocated() == base
     for seed in (3, 4):

@@ -54,8 +54,8 @@ def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
         got = [_train(first, publish, 0)]
         before = one(first.call("logits", TOKENS))
         freed = first.call("sleep")
-        assert freed[0] > 0
-        first.sleep()  # sleeping twice is harmless
+        assert freed[0]["freed_gib"] > 0
+        assert first.sleep() == {"freed_gib": 0.0}  # sleeping twice is harmless
         first.wake_up()
         assert np.array_equal(one(first.call("logits", TOKENS)), before)
         first.sleep()

@@ -44,7 +44,7 @@ class Backend(Protocol):
     def start(self) -> None: ...
     def train(self, ref: BatchRef) -> TrainResult: ...
     def train_sft(self, ref: BatchRef) -> TrainResult: ...
-    def sleep(self) -> None: ...
+    def sleep(self, offload: bool = True) -> dict[str, float]: ...
     def wake_up(self) -> None: ...
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
     def load(self, path: str | None = None) -> dict[str, Any] | None: ...
@@ -157,9 +157,16 @@ class RunOps:
         for url, res in failed.items():
             log.warning("%s on %s: %s", result.action, url, res)
 
+    @property
+    def trainer_sleeps(self) -> bool:
+        """The trainer frees GPU memory for the engines: offloaded (``offload_train``), or, in the
+        synchronous colocated step without it, only what needs no copy (the seed's ``clear_memory``;
+        the optimizer state stays on the GPU)."""
+        return bool(self.cfg.offload_train) or (self.cfg.colocate and self.cfg.mode == "sync")
+
     async def trainer_wake_up(self) -> None:
         """Step 37: the trainer takes its GPU memory back (the engines sleep)."""
-        if self.cfg.offload_train:
+        if self.trainer_sleeps:
             t0 = time.perf_counter()
             await asyncio.to_thread(self.backend.wake_up)
             self.trainer_memory_metrics["trainer/wake_s"] = time.perf_counter() - t0
@@ -167,11 +174,12 @@ class RunOps:
 
     async def trainer_sleep(self) -> None:
         """Step 41: free the trainer's GPU memory before the engines wake."""
-        if self.cfg.offload_train:
+        if self.trainer_sleeps:
             t0 = time.perf_counter()
-            await asyncio.to_thread(self.backend.sleep)
+            memory = await asyncio.to_thread(self.backend.sleep, bool(self.cfg.offload_train))
             self.trainer_memory_metrics["trainer/sleep_s"] = time.perf_counter() - t0
-            self.events.record("trainer.sleep")
+            self.trainer_memory_metrics |= {f"trainer/{k}": v for k, v in memory.items()}
+            self.events.record("trainer.sleep", offload=bool(self.cfg.offload_train))
 
     # --- rollout and training (seed steps 14–32, 37–42) ----------------------------------------
     async def generate(self, rollout_id: int) -> RolloutJob:

@@ -133,6 +133,38 @@ def test_the_state_of_the_first_step_gets_one_more_buffer_and_nothing_is_wasted(
         assert len(offloader._host) == 2 and offloader.host_bytes == masters + state
 
 
+def test_without_offload_only_what_needs_no_copy_is_freed_and_training_goes_on_unchanged() -> None:
+    """``offload_train=false``: masters and Adam state stay where they are, nothing is copied."""
+    model = _model(torch.bfloat16)
+    opt = MixedPrecision(list(model.parameters()))
+    masters = opt.fp32_from_float16_groups[0]
+    offloader = Offloader(model, opt, "cpu")
+    assert offloader.pending_state_bytes() == 2 * sum(m.nbytes for m in masters)  # Adam's moments to come
+    _train(model, opt, seed=1)
+    assert offloader.pending_state_bytes() == 0
+    twin_model, twin_opt = copy.deepcopy(model), copy.deepcopy(opt)
+    twin_opt.float16_groups = [list(twin_model.parameters())]
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if v.nbytes]
+    resident = [(t.data_ptr(), t.detach().clone()) for t in (*masters, *state)]
+
+    param_bytes = sum(p.nbytes for p in model.parameters())
+    master_grad_bytes = sum(m.grad.nbytes for m in masters)
+    assert offloader.sleep(offload=False) == param_bytes + master_grad_bytes
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(m.grad.untyped_storage().nbytes() == 0 for m in masters)
+    assert offloader.host_bytes == 0
+    for (ptr, value), t in zip(resident, (*masters, *state), strict=True):
+        assert t.data_ptr() == ptr and torch.equal(t, value)  # in place, untouched
+    offloader.wake_up()
+
+    for seed in (2, 3):
+        _train(model, opt, seed=seed)
+        _train(twin_model, twin_opt, seed=seed)
+    assert all(
+        torch.equal(a, b) for a, b in zip(_snapshot(model, opt), _snapshot(twin_model, twin_opt), strict=True)
+    )
+
+
 @pytest.mark.parametrize("awake_calls", ["wake_up", "sleep"])
 def test_repeated_calls_are_no_ops(awake_calls: str) -> None:
     model = _model(torch.float32)

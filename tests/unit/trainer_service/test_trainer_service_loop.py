@@ -118,19 +118,29 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
 async def test_each_step_reports_the_trainer_wake_up_and_sleep_inside_t_train() -> None:
     run = Run()
     run.backend.memory_s = 0.05
+    run.backend.sleep_memory = {"peak_gib": 31.5, "asleep_reserved_gib": 0.25}
     await run.go()
     for step in run.steps:
         wake, sleep = step.metrics["trainer/wake_s"], step.metrics["trainer/sleep_s"]
         assert 0.05 <= wake < 1.0 and 0.05 <= sleep < 1.0
         assert wake + sleep <= step.timings.train_s
+        assert (step.metrics["trainer/peak_gib"], step.metrics["trainer/asleep_reserved_gib"]) == (31.5, 0.25)
 
 
-async def test_a_step_that_keeps_the_trainer_awake_reports_no_wake_up_or_sleep() -> None:
-    run = Run("offload_train=false", "offload_rollout=false")
+async def test_a_colocated_trainer_without_offload_still_frees_what_needs_no_copy() -> None:
+    run = Run("offload_train=false")
     await run.go()
-    assert run.steps and not any(
-        "trainer/wake_s" in s.metrics or "trainer/sleep_s" in s.metrics for s in run.steps
-    )
+    sleeps = [c for c in run.backend.calls if c.startswith("sleep")]
+    assert sleeps and set(sleeps) == {"sleep without offload"}  # start-up, then after every step
+    assert len(sleeps) == 1 + len(run.steps)
+    assert all("trainer/wake_s" in s.metrics and "trainer/sleep_s" in s.metrics for s in run.steps)
+
+
+async def test_a_trainer_on_its_own_gpus_never_sleeps() -> None:
+    run = Run("offload_train=false", "offload_rollout=false", "colocate=false")
+    await run.go()
+    assert run.steps and not any(c.startswith(("sleep", "wake_up")) for c in run.backend.calls)
+    assert not any("trainer/wake_s" in s.metrics or "trainer/sleep_s" in s.metrics for s in run.steps)
 
 
 async def test_batches_the_ranks_skipped_are_in_the_event_log() -> None:

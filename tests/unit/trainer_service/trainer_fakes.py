@@ -204,6 +204,7 @@ class FakeBackend:
         self.skipped: list[tuple[str, int]] = []
         """What the ranks report skipping on their next read (then nothing)."""
         self.memory_s = 0.0
+        self.sleep_memory: dict[str, float] = {}
         """How long each sleep and wake-up takes (the ranks' copies to and from pinned memory)."""
 
     def start(self) -> None:
@@ -233,10 +234,11 @@ class FakeBackend:
             self.on_train_sft(ref.rollout_id)
         return self._result(ref, [{"loss": 3.0 / (1 + ref.rollout_id), "grad_norm": 1.0}])
 
-    def sleep(self) -> None:
-        self.calls.append("sleep")
+    def sleep(self, offload: bool = True) -> dict[str, float]:
+        self.calls.append("sleep" if offload else "sleep without offload")
         time.sleep(self.memory_s)
         self.asleep = True
+        return dict(self.sleep_memory)
 
     def wake_up(self) -> None:
         self.calls.append("wake_up")

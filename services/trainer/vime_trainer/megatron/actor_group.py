@@ -190,8 +190,13 @@ class ActorGroup:
                 for ref in gen:
                     self._get(ref)
 
-    def sleep(self) -> None:
-        self.call("sleep")
+    def sleep(self, offload: bool = True) -> dict[str, float]:
+        """Every rank sleeps; the most any rank reports of each memory figure (`MegatronRank.sleep`)."""
+        out: dict[str, float] = {}
+        for stats in self.call("sleep", offload):
+            for k, v in stats.items():
+                out[k] = max(v, out.get(k, v))
+        return out
 
     def wake_up(self) -> None:
         self.call("wake_up")

@@ -17,6 +17,12 @@ DDP's flat buffers and the optimizer's references all stay valid. What is copied
   carved from one cached segment rather than one ``cudaMalloc`` each (the sleep emptied the cache).
   On the H100 (0.6B shape, docs/benchmarks.md) sleep 0.178 s and wake 0.201 s, from 0.239 / 0.218.
 
+``sleep(offload=False)`` is the seed's ``clear_memory()`` of a trainer that is not offloaded
+(``offload_train=false``): only what needs no copy is freed (gradients, parameters rebuilt from
+their masters, the allocator's cache), and the masters and optimizer state stay on the device, so
+neither direction copies anything. `check_room_for_engines` refuses it where that state would not
+leave the engines their share of the GPU.
+
 On CPU the same path runs (the copy goes to ordinary memory), which is what lets CPU tests show
 that a sleep/wake cycle leaves results unchanged.
 
@@ -133,14 +139,15 @@ class Offloader:
         """Bytes of host memory the sleeps copy into (pinned on the GPU)."""
         return sum(h.numel() for h in self._host)
 
-    def sleep(self) -> int:
-        """Free the device memory of parameters, grads and optimizer state; returns bytes freed."""
+    def sleep(self, offload: bool = True) -> int:
+        """Free the device memory of parameters, grads and optimizer state; returns bytes freed.
+        ``offload=False``: keep the masters and optimizer state on the device, copy nothing."""
         if self.asleep:
             return 0
         kept, freed_only = self._state()
         dropped = list(_storages(freed_only))
         dropped_keys = {s.data_ptr() for s in dropped}
-        saved = [s for s in _storages(kept) if s.data_ptr() not in dropped_keys]
+        saved = [s for s in _storages(kept) if s.data_ptr() not in dropped_keys] if offload else []
         for storage, host in zip(saved, self._host_slices([s.nbytes() for s in saved]), strict=True):
             host.copy_(_bytes_view(storage), non_blocking=True)
             self._saved.append((storage, host))
@@ -188,6 +195,30 @@ class Offloader:
         self._saved.clear()
         self._dropped.clear()
         self.asleep = False
+
+    def pending_state_bytes(self) -> int:
+        """Bytes of optimizer state the first step will still create: Adam's two fp32 moments per
+        master, while no state exists yet (0 after the first step)."""
+        inners = [getattr(opt, "optimizer", opt) for opt in _chained(self.optimizer)]
+        if any(inner.state for inner in inners):
+            return 0
+        return 2 * sum(p.numel() * 4 for inner in inners for g in inner.param_groups for p in g["params"])
+
+
+def check_room_for_engines(device: str, engine_fraction: float, pending_bytes: int = 0) -> None:
+    """Raise when what this process keeps on ``device`` (plus ``pending_bytes`` still to come)
+    exceeds what ``engine.gpu_memory_utilization`` leaves beside the engines."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    held = torch.cuda.memory_reserved(device) + pending_bytes
+    room = (1.0 - engine_fraction) * total
+    if held > room:
+        gib = 1 << 30
+        raise MemoryError(
+            f"offload_train=false keeps {held / gib:.1f} GiB of training state on {device} while the "
+            f"engines run, but engine.gpu_memory_utilization={engine_fraction} leaves the trainer "
+            f"{room / gib:.1f} GiB of its {total / gib:.1f} GiB: set offload_train=true (the state "
+            "then waits in host memory) or lower engine.gpu_memory_utilization"
+        )
 
 
 LARGE_BLOCK = 1 << 20

@@ -172,12 +172,28 @@ class TrainRank:
         return out[0] if out and self.info.reports_metrics else None
 
     # --- memory (seed steps 37, 41) ---------------------------------------------------------
-    def sleep(self) -> int:
-        """Free accelerator memory (parameters, grads, optimizer state); returns bytes freed."""
-        return self.offloader.sleep()
+    def sleep(self, offload: bool = True) -> dict[str, float]:
+        """Free accelerator memory (parameters, grads, optimizer state). ``offload=False`` keeps the
+        optimizer's state on the GPU (`Offloader.sleep`) and refuses to when it would not leave the
+        engines their ``engine.gpu_memory_utilization``. Returns GiB: freed, and on the GPU the
+        peak allocated since the wake-up and what stays reserved while asleep."""
+        gib = float(1 << 30)
+        cuda = self.info.device.startswith("cuda")
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        freed = {"freed_gib": self.offloader.sleep(offload) / gib}
+        if not cuda:
+            return freed
+        if not offload:
+            from vime_trainer.megatron.memory import check_room_for_engines
+
+            pending = self.offloader.pending_state_bytes()
+            check_room_for_engines(self.info.device, self.config.engine.gpu_memory_utilization, pending)
+        return freed | {"peak_gib": peak / gib, "asleep_reserved_gib": torch.cuda.memory_reserved() / gib}
 
     def wake_up(self) -> None:
         self.offloader.wake_up()
+        if self.info.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()  # the next sleep reports this step's peak
 
     @property
     def asleep(self) -> bool:
