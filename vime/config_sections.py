@@ -109,9 +109,10 @@ class EngineConfig(Section):
     ``--logprobs-mode processed_logprobs`` (and VLLM_SERVER_DEV_MODE=1): an engine that says
     another mode is refused."""
     host: str = "127.0.0.1"
-    """Interface of the engines' ports. With launcher=local each port is a gate that opens control
-    routes only to the stack's token (the engine itself is on a private Unix socket); docker and
-    external engines answer control routes to anyone who reaches them: keep those private."""
+    """Interface of the engines' ports. With launcher=local or docker each port is a gate that opens
+    control routes only to the stack's token (the engine itself is on a private Unix socket; docker:
+    gate and engine inside the engine's container); external engines answer control routes to
+    anyone who reaches them: keep those private."""
     base_port: int = Field(18100, ge=1024, le=65000)
     """First engine port; engine k listens on base_port + k."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)

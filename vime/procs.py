@@ -122,7 +122,7 @@ def start(
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
 ) -> Child:
-    """Start ``argv`` in its own process group, output appended to ``log_path`` (or inherited)."""
+    """Start ``argv`` in its own process group, output appended to ``log_path`` (or discarded)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     out: Any = subprocess.DEVNULL
     path = None

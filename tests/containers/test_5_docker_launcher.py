@@ -1,9 +1,10 @@
 """The rollout manager's Docker launcher (`engine.launcher=docker`) on a real Docker engine.
 
 A CPU reference engine runs in a sibling container started exactly as the rollout manager starts
-one (its command builder, `container_spec`, the Docker SDK), from the image the compose stack's CPU
-rollout service runs: it answers at its planned URL (host network), serves the mounted model, and
-a restart after its container is killed takes the same name again. No GPU: the spec asks for none.
+one (its gate's plan, command builder, `container_spec`, the Docker SDK), from the image the compose
+stack's CPU rollout service runs: it answers at its planned URL (host network) through its gate
+inside the container (control routes only with the token), serves the mounted model, and a restart
+after its container is killed takes the same name again. No GPU: the spec asks for none.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from vime_rollout.engines.commands import engine_command
+from vime_rollout.engines.gate import CONTAINER_DIR, behind_gates
 from vime_rollout.engines.launchers import DockerLauncher
 from vime_rollout.engines.spec import plan_engines
 
@@ -27,6 +29,7 @@ from vime.retry import poll_until_blocking
 
 START_S = 180
 """The container's start, the engine's imports and model load, on a shared 2-core machine."""
+TOKEN = "launcher-t0ken"
 IMAGE = f"{os.environ.get('VIME_IMAGE_PREFIX', 'vime')}-cpu-all:{os.environ.get('VIME_TAG', '0.1.0')}"
 
 
@@ -62,9 +65,9 @@ def test_the_docker_launcher_runs_and_restarts_a_reference_engine_container(shar
     cfg = load_config(
         overrides=["engine.launcher=docker", "engine.backend=reference", f"engine.base_port={_free_port()}"]
     )
-    spec = plan_engines(cfg, gpus=[])[0]
+    [spec] = behind_gates(plan_engines(cfg, gpus=[])[:1], CONTAINER_DIR)  # as the factory plans it
     command = engine_command(cfg, spec, str(model), "micro")
-    launcher = DockerLauncher("launcher-test", str(model), logs, IMAGE)
+    launcher = DockerLauncher("launcher-test", str(model), logs, IMAGE, token=TOKEN)
 
     proc = launcher.start(spec, command)
     try:
@@ -78,6 +81,13 @@ def test_the_docker_launcher_runs_and_restarts_a_reference_engine_container(shar
         assert proc.alive(), proc.log_tail()
         models = httpx.get(f"{spec.url}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["micro"]
+        # the port is the gate's (inside the container): control routes need the stack's token
+        assert proc.container.attrs["Config"]["Cmd"][:3] == ["python3", "-m", "vime_rollout.engines.gated"]
+        assert httpx.post(f"{spec.url}/pause", timeout=10).status_code == 401
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.post(f"{spec.url}/pause", headers=bearer, timeout=10).status_code == 200
+        assert httpx.get(f"{spec.url}/is_paused", timeout=10).json() == {"is_paused": True}
+        assert httpx.post(f"{spec.url}/resume", headers=bearer, timeout=10).status_code == 200
         assert proc.container.attrs["HostConfig"]["DeviceRequests"] in (None, [])
 
         proc.container.kill()  # the engine dies: the group's monitor sees it and restarts it

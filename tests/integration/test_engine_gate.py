@@ -5,15 +5,22 @@ socket in a directory only this user can enter (the real launcher, reference eng
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from vime_rollout.engines.commands import EngineCommand, reference_command
 from vime_rollout.engines.gate import behind_gates
+from vime_rollout.engines.gated import TOKEN_ENV
 from vime_rollout.engines.launchers import LocalLauncher, LocalProcess
 from vime_rollout.engines.spec import EngineSpec
 
@@ -21,8 +28,10 @@ from vime import procs
 from vime.clients.engine import EngineClient
 from vime.config import load_config
 from vime.models.tiny import ensure_tiny_qwen3
+from vime.retry import poll_until_blocking
 
 TOKEN = "gate-t0ken"
+FAKE_ENGINE = Path(__file__).resolve().parents[1] / "support" / "fake_engine.py"
 
 
 def _gated_engine(tmp: Path) -> tuple[EngineSpec, LocalLauncher, EngineCommand]:
@@ -104,3 +113,49 @@ def test_a_dead_gate_is_a_dead_engine(gated: tuple[EngineSpec, LocalProcess]) ->
     assert process.gate is not None
     process.gate.stop(grace_s=5)
     assert not process.alive()
+
+
+def _gated_wrapper(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    """`engines.gated` as a container runs it (the launcher's arguments), around a fake engine."""
+    socket_path = str(directory / "gate" / "engine0.sock")
+    engine = [sys.executable, str(FAKE_ENGINE), "--uds", socket_path, "--engine-id", "e0"]
+    where = ["--name", "engine0", "--host", "127.0.0.1", "--port", str(port), "--socket", socket_path]
+    argv = [sys.executable, "-m", "vime_rollout.engines.gated", *where, "--", *engine]
+    return subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: TOKEN}, start_new_session=True)
+
+
+@pytest.mark.parametrize("ending", ["SIGTERM to the wrapper", "the engine dies"])
+def test_the_container_wrapper_gates_its_engine_and_ends_with_it(tmp_path: Path, ending: str) -> None:
+    """engine.launcher=docker: gate and engine in one process tree (the container's first process)."""
+    directory, port = Path(tempfile.mkdtemp(prefix="vime-gated-")), procs.free_port()
+    wrapper = _gated_wrapper(directory, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        poll_until_blocking(lambda: _answers(url), timeout_s=60, interval_s=0.2, what="the gated engine")
+        assert stat.S_IMODE(os.stat(directory / "gate").st_mode) == 0o700
+        with httpx.Client(base_url=url, timeout=10) as http:
+            assert http.get("/health").status_code == 200
+            assert http.post("/sleep", json={}).status_code == 401
+            assert (
+                http.post("/sleep", json={}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+            )
+        engine = psutil.Process(wrapper.pid).children()
+        assert TOKEN_ENV not in next(p for p in engine if "fake_engine" in " ".join(p.cmdline())).environ()
+        if ending == "SIGTERM to the wrapper":
+            wrapper.send_signal(signal.SIGTERM)
+        else:
+            next(p for p in engine if "fake_engine" in " ".join(p.cmdline())).kill()
+        wrapper.wait(timeout=30)
+        assert not procs.port_open("127.0.0.1", port)  # the gate went with it
+        assert not any((directory / "gate").iterdir())  # socket and the token's configuration removed
+    finally:
+        procs.signal_group(wrapper.pid, signal.SIGKILL)
+        wrapper.wait(timeout=10)
+        shutil.rmtree(directory)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -23,7 +23,7 @@ from vime_rollout.data.dataset import Tokenizer
 from vime_rollout.data.synthetic import arithmetic_records
 from vime_rollout.engines.commands import engine_command
 from vime_rollout.engines.control import engine_control
-from vime_rollout.engines.gate import behind_gates
+from vime_rollout.engines.gate import CONTAINER_DIR, behind_gates
 from vime_rollout.engines.group import EngineGroup
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, ExternalLauncher, Launcher, LocalLauncher
@@ -78,7 +78,7 @@ def make_launcher(cfg: RunConfig, run_id: str, model_path: Path, log_dir: Path) 
     if cfg.engine.launcher == "external":
         return ExternalLauncher()
     if cfg.engine.launcher == "docker":
-        return DockerLauncher(run_id, str(model_path), log_dir, cfg.engine.image)
+        return DockerLauncher(run_id, str(model_path), log_dir, cfg.engine.image, cfg.services.token())
     return LocalLauncher(log_dir, cfg.services.token())
 
 
@@ -86,8 +86,8 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
     """Everything the rollout manager needs, engines started (and asleep when offloaded)."""
     run_id = cfg.effective_run_id()  # names the Redis stream; every job reply carries it
     specs = plan_engines(cfg)  # a config that cannot place its engines fails before anything is built
-    if cfg.engine.launcher == "local":
-        specs = behind_gates(specs)
+    if cfg.engine.launcher != "external":  # each local or container engine behind its gate
+        specs = behind_gates(specs, CONTAINER_DIR if cfg.engine.launcher == "docker" else None)
     token = cfg.services.token()  # opens the engines' gates
     model_path = await asyncio.to_thread(policy_model_path, cfg)
     model_name = served_model_name(cfg, model_path)

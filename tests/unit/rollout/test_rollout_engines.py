@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from rollout_fakes import StubWorld, stub_group
 from vime_rollout.engines.commands import reference_command, vllm_command
+from vime_rollout.engines.gate import CONTAINER_DIR, behind_gates
+from vime_rollout.engines.gated import TOKEN_ENV
 from vime_rollout.engines.group import EngineGroup, EngineStartError
 from vime_rollout.engines.health import HealthMonitor
 from vime_rollout.engines.launchers import DockerLauncher, container_spec
@@ -157,6 +159,31 @@ def test_a_cpu_engine_container_asks_for_no_gpu() -> None:
     assert kw["ulimits"] == []  # nothing pinned: no memlock a host may refuse to raise
     assert kw["environment"]["CUDA_VISIBLE_DEVICES"] == ""  # and nothing inside sees one
     assert kw["command"][:3] == ["python3", "-m", "vime_rollout.reference_engine"]
+
+
+def test_an_engine_container_runs_behind_its_gate_with_the_token() -> None:
+    cfg = _cfg(**{"engine.backend": "vllm"})
+    [spec] = behind_gates(plan_engines(cfg, gpus=list(range(8)))[:1], CONTAINER_DIR)
+    command = vllm_command(cfg, spec, "/models/q", "q")
+    kw = container_spec(spec, command, image="img", run_id="r1", mounts=["/models/q"], token="s3cret")
+    gated, engine = kw["command"][: kw["command"].index("--")], kw["command"][kw["command"].index("--") + 1 :]
+    assert gated[:3] == ["python3", "-m", "vime_rollout.engines.gated"]
+    assert gated[3:] == [
+        "--name",
+        "engine0",
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--socket",
+        spec.socket,
+    ]
+    assert spec.socket == f"{CONTAINER_DIR}/engine0.sock"
+    assert engine == ["python3", *command.argv[1:]] and engine[engine.index("--uds") + 1] == spec.socket
+    assert "--port" not in engine  # only the gate has the port
+    assert kw["environment"][TOKEN_ENV] == "s3cret"
+    open_kw = container_spec(spec, command, image="img", run_id="r1", mounts=["/models/q"])
+    assert TOKEN_ENV not in open_kw["environment"]  # no token: the gate passes everything, as locally
 
 
 def test_wake_tags_are_normalised_as_in_the_seed() -> None:

@@ -33,10 +33,14 @@ def private_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="vime-eng-", dir="/tmp" if os.path.isdir("/tmp") else None))
 
 
-def behind_gates(specs: list[EngineSpec]) -> list[EngineSpec]:
-    """The same engines, each listening on a socket in one new private directory."""
-    directory = private_dir()
-    return [replace(s, socket=str(directory / f"{s.name}.sock")) for s in specs]
+CONTAINER_DIR = "/tmp/vime-gate"
+"""Where an engine in a container (`engines.gated`) puts its socket: the container's own /tmp."""
+
+
+def behind_gates(specs: list[EngineSpec], directory: str | Path | None = None) -> list[EngineSpec]:
+    """The same engines, each listening on a socket in ``directory`` (None: one new private one)."""
+    where = Path(directory) if directory is not None else private_dir()
+    return [replace(s, socket=str(where / f"{s.name}.sock")) for s in specs]
 
 
 def _routes(socket_path: str, token: str | None) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from vime import procs
 from vime_rollout.engines.commands import EngineCommand
 from vime_rollout.engines.gate import gate_argv
+from vime_rollout.engines.gated import TOKEN_ENV
 from vime_rollout.engines.spec import EngineSpec
 
 log = logging.getLogger("vime.rollout.engines")
@@ -118,9 +119,19 @@ class ExternalLauncher:
 
 
 def container_spec(
-    spec: EngineSpec, command: EngineCommand, *, image: str, run_id: str, mounts: list[str]
+    spec: EngineSpec,
+    command: EngineCommand,
+    *,
+    image: str,
+    run_id: str,
+    mounts: list[str],
+    token: str | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``docker.containers.run`` for one engine (Docker SDK).
+
+    An engine with a ``socket`` runs inside the container behind its gate (`engines.gated`: Caddy
+    on the engine's port, the engine on the socket, ``token`` its key in the container's
+    environment), as a local engine does.
 
     The container gets exactly its GPUs (device request; inside it they are renumbered from 0,
     so CUDA_VISIBLE_DEVICES is dropped) with an unlimited memlock for pinned memory, and neither
@@ -132,9 +143,15 @@ def container_spec(
     env = {k: v for k, v in command.env.items() if k != "CUDA_VISIBLE_DEVICES" or not spec.gpu_ids}
     # The SDK turns this mapping into a DeviceRequest (no docker import needed to build the spec).
     gpus = {"Driver": "nvidia", "DeviceIDs": [str(g) for g in spec.gpu_ids], "Capabilities": [["gpu"]]}
+    argv = ["python3", *command.argv[1:]]
+    if spec.socket:
+        where = ["--name", spec.name, "--host", spec.host, "--port", str(spec.port), "--socket", spec.socket]
+        argv = ["python3", "-m", "vime_rollout.engines.gated", *where, "--", *argv]
+        if token:
+            env[TOKEN_ENV] = token
     return {
         "image": image,
-        "command": ["python3", *command.argv[1:]],
+        "command": argv,
         "name": f"vime-{run_id}-{spec.name}",
         "detach": True,
         "environment": env,
@@ -184,7 +201,9 @@ class DockerLauncher:
 
     can_restart = True
 
-    def __init__(self, run_id: str, model_path: str, log_dir: str | Path, image: str) -> None:
+    def __init__(
+        self, run_id: str, model_path: str, log_dir: str | Path, image: str, token: str | None = None
+    ) -> None:
         docker: Any
         try:
             import docker
@@ -200,11 +219,14 @@ class DockerLauncher:
         self.run_id = run_id
         self.mounts = [model_path, str(log_dir)]
         self.image = image
+        self.token = token
 
     def start(self, spec: EngineSpec, command: EngineCommand | None) -> EngineProcess:
         if command is None:
             raise ValueError(f"{spec.name}: a container engine needs a command")
-        kwargs = container_spec(spec, command, image=self.image, run_id=self.run_id, mounts=self.mounts)
+        kwargs = container_spec(
+            spec, command, image=self.image, run_id=self.run_id, mounts=self.mounts, token=self.token
+        )
         with contextlib.suppress(Exception):  # a container of that name from an earlier life blocks the name
             self.client.containers.get(kwargs["name"]).remove(force=True)
         return ContainerProcess(self.client.containers.run(**kwargs))
