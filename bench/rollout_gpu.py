@@ -25,7 +25,9 @@ neither side always runs on the colder engine; the medians are reported (one rou
 on 12-06 had the manager 1.24× the direct round with log-probs, which order alone can do).
 
 Printed: output tokens/s of each side and manager / direct (goal ≥ 0.98), the manager's form of
-log-probs over the seed's, and the manager with log-probs over direct without (goal ≥ 0.8). Raw
+log-probs over the seed's, and the manager with log-probs over direct without (goal ≥ 0.8); per
+round, the engine's load while each side ran (`engine_load`: peak and mean running requests, when
+the peak came, peak waiting). Raw
 vLLM 0.26 on one H200 did ~9k tok/s with ``logprobs: 1`` and ~27k without (notes/gpu_baselines.md).
 
     python bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from engine_load import engine_load
 from gpu_common import (
     bench_model,
     console,
@@ -175,19 +178,25 @@ async def _direct_rounds(
     engine_url: str, payloads: list[dict[str, Any]], concurrency: int, logprobs: bool, replies: list[float]
 ) -> dict[str, float]:
     """The requests straight to the engine (with log-probs: in the manager's form, then the seed's)."""
-    tokens, wall = await direct_round([engine_url], payloads, concurrency, replies)
+    async with engine_load(engine_url) as load:
+        tokens, wall = await direct_round([engine_url], payloads, concurrency, replies)
     row = {"direct_tps": tokens / wall, "direct_tokens": float(tokens), "direct_s": wall}
+    row |= {f"direct_{k}": v for k, v in load.summary().items()}
     if logprobs:
         s_tokens, s_wall = await direct_round([engine_url], seed_form(payloads), concurrency)
         row |= {"direct_seed_form_tps": s_tokens / s_wall, "direct_seed_form_s": s_wall}
     return row
 
 
-async def _manager_round(client: RolloutClient, rollout_id: int) -> tuple[dict[str, float], float]:
-    """One rollout through the manager: its metrics and the whole POST's seconds."""
-    t0 = time.perf_counter()
-    job = await client.rollout(rollout_id)
-    return job.metrics, time.perf_counter() - t0
+async def _manager_round(
+    client: RolloutClient, rollout_id: int, engine_url: str
+) -> tuple[dict[str, float], float, dict[str, float]]:
+    """One rollout through the manager: its metrics, the whole POST's seconds, the engine's load."""
+    async with engine_load(engine_url) as load:
+        t0 = time.perf_counter()
+        job = await client.rollout(rollout_id)
+        e2e = time.perf_counter() - t0
+    return job.metrics, e2e, load.summary()
 
 
 async def measure(
@@ -203,11 +212,11 @@ async def measure(
             replies: list[float] = []
             row: dict[str, Any] = {"manager_first": r % 2 == 1}
             if row["manager_first"]:  # odd rounds swap the order: neither side always runs first
-                m, e2e = await _manager_round(client, r)
+                m, e2e, load = await _manager_round(client, r, engine_url)
                 row |= await _direct_rounds(engine_url, payloads, concurrency, logprobs, replies)
             else:
                 row |= await _direct_rounds(engine_url, payloads, concurrency, logprobs, replies)
-                m, e2e = await _manager_round(client, r)
+                m, e2e, load = await _manager_round(client, r, engine_url)
             d_wall = row["direct_s"]
             row |= {
                 "manager_tps": m["rollout/generated_tokens"] / m["rollout/wall_s"],
@@ -216,7 +225,7 @@ async def measure(
                 "manager_s": m["rollout/wall_s"],
                 "manager_e2e_s": e2e,
                 "gap_s": gap_parts(m, e2e, d_wall, replies),
-            }
+            } | {f"manager_{k}": v for k, v in load.items()}
             console.print(
                 f"{'with' if logprobs else 'without'} log-probs, round {r}: "
                 + ", ".join(f"{k} {v:,.2f}" for k, v in row.items() if isinstance(v, float))
