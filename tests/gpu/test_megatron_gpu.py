@@ -143,9 +143,7 @@ def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool)
         assert torch.cuda.memory_reserved() >= state + 2 * params  # the state stays on the GPU
         check_room_for_engines("cuda:0", 0.5)
         with pytest.raises(MemoryError, match="offload_train=false keeps"):
-            check_room_for_engines(
-                "cuda:0", 0.5, pending_bytes=torch.cuda.get_device_properties(0).total_memory
-            )
+            check_room_for_engines("cuda:0", 1.0)  # engines asking for the whole GPU leave no room
     offloader.wake_up()
     assert torch.cuda.memory_allocated() == base
     for seed in (3, 4):

@@ -139,9 +139,7 @@ def test_without_offload_only_what_needs_no_copy_is_freed_and_training_goes_on_u
     opt = MixedPrecision(list(model.parameters()))
     masters = opt.fp32_from_float16_groups[0]
     offloader = Offloader(model, opt, "cpu")
-    assert offloader.pending_state_bytes() == 2 * sum(m.nbytes for m in masters)  # Adam's moments to come
     _train(model, opt, seed=1)
-    assert offloader.pending_state_bytes() == 0
     twin_model, twin_opt = copy.deepcopy(model), copy.deepcopy(opt)
     twin_opt.float16_groups = [list(twin_model.parameters())]
     state = [v for s in opt.optimizer.state.values() for v in s.values() if v.nbytes]

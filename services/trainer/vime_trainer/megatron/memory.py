@@ -6,7 +6,7 @@ empties the *storages* behind parameters, fp32 master weights and optimizer stat
 DDP's flat buffers and the optimizer's references all stay valid. What is copied, and how:
 
 - The fp32 masters and the Adam state go to pinned host buffers allocated once and reused (one at
-  the first sleep, one more for the Adam state the first step creates), as asynchronous copies
+  the first sleep; one more should the state grow), as asynchronous copies
   with one wait at the end (a pinned allocation and a blocking copy per tensor: 35–39 GB/s on the
   H100; now 40 GB/s out, the link's rate for the weight backup too).
 - The bf16 parameters are not copied when a mixed-precision optimizer holds an fp32 master of
@@ -91,7 +91,7 @@ class Offloader:
         self.device = torch.device(device)
         self._host: list[torch.Tensor] = []
         """The pinned (CPU: ordinary) buffers every sleep copies into: one at the first sleep, one
-        more only when the state grows (the optimizer creates its state at the first step)."""
+        more only when the state grows (an optimizer that creates its state at its first step)."""
         self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         """Storages copied to the host, each with its slice of a host buffer."""
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
@@ -196,20 +196,12 @@ class Offloader:
         self._dropped.clear()
         self.asleep = False
 
-    def pending_state_bytes(self) -> int:
-        """Bytes of optimizer state the first step will still create: Adam's two fp32 moments per
-        master, while no state exists yet (0 after the first step)."""
-        inners = [getattr(opt, "optimizer", opt) for opt in _chained(self.optimizer)]
-        if any(inner.state for inner in inners):
-            return 0
-        return 2 * sum(p.numel() * 4 for inner in inners for g in inner.param_groups for p in g["params"])
 
-
-def check_room_for_engines(device: str, engine_fraction: float, pending_bytes: int = 0) -> None:
-    """Raise when what this process keeps on ``device`` (plus ``pending_bytes`` still to come)
-    exceeds what ``engine.gpu_memory_utilization`` leaves beside the engines."""
+def check_room_for_engines(device: str, engine_fraction: float) -> None:
+    """Raise when what this process keeps on ``device`` exceeds what ``engine.gpu_memory_utilization``
+    leaves beside the engines (the optimizer's state exists from the start: `init_adam_state`)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    held = torch.cuda.memory_reserved(device) + pending_bytes
+    held = torch.cuda.memory_reserved(device)
     room = (1.0 - engine_fraction) * total
     if held > room:
         gib = 1 << 30

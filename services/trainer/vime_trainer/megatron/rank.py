@@ -186,8 +186,7 @@ class TrainRank:
         if not offload:
             from vime_trainer.megatron.memory import check_room_for_engines
 
-            pending = self.offloader.pending_state_bytes()
-            check_room_for_engines(self.info.device, self.config.engine.gpu_memory_utilization, pending)
+            check_room_for_engines(self.info.device, self.config.engine.gpu_memory_utilization)
         return freed | {"peak_gib": peak / gib, "asleep_reserved_gib": torch.cuda.memory_reserved() / gib}
 
     def wake_up(self) -> None:
