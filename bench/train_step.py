@@ -181,7 +181,9 @@ def profiled(args: argparse.Namespace, first: bool, variant: Variant) -> set[str
 def sleep_cycles(rank: Any, rb: RankBatch) -> dict[str, Any]:
     """Two sleep/wake cycles as the colocated loop runs them (the first allocates the pinned host
     buffers, the second reuses them: ``sleep_s`` / ``wake_s`` are what every later step pays), then
-    a training step: its seconds against ``step_s`` show what the freed allocator cache costs."""
+    a training step: its seconds against ``step_s`` show what the freed allocator cache costs. Then
+    the same once without offload (``offload_train=false``: ``resident_*``, the state left on the
+    device) and a step after it."""
     out: dict[str, Any] = {}
     for cycle in ("first_", ""):
         _sync()
@@ -196,6 +198,21 @@ def sleep_cycles(rank: Any, rb: RankBatch) -> dict[str, Any]:
     rank.train(rb)
     _sync()
     out["step_after_wake_s"] = time.perf_counter() - t0
+    # offload_train=false: the optimizer state stays; does the next step run as fast?
+    _sync()
+    t0 = time.perf_counter()
+    try:
+        out["resident_memory"] = rank.sleep(offload=False)
+    except MemoryError as exc:  # the state would not leave the engines their share: reported, not fatal
+        out["resident_error"] = str(exc)
+    out["resident_sleep_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rank.wake_up()
+    out["resident_wake_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rank.train(rb)
+    _sync()
+    out["step_after_resident_wake_s"] = time.perf_counter() - t0
     return out
 
 
@@ -382,7 +399,9 @@ def report(
             console.print(
                 f"{r['name']}: memory awake {r['memory']}, after sleep() {r['memory_asleep']}; sleep "
                 f"{r['first_sleep_s']:.2f} s, then {r['sleep_s']:.3f} s (pinned buffers reused), wake "
-                f"{r['wake_s']:.3f} s + a step {r['step_after_wake_s']:.3f} s (awake: {r['step_s']:.3f} s)"
+                f"{r['wake_s']:.3f} s + a step {r['step_after_wake_s']:.3f} s (awake: {r['step_s']:.3f} s); "
+                f"without offload: sleep {r['resident_sleep_s']:.3f} s, wake {r['resident_wake_s']:.3f} s + a "
+                f"step {r['step_after_resident_wake_s']:.3f} s, {r.get('resident_error') or r.get('resident_memory')}"
             )
     result = {
         "shape": args.shape,
