@@ -239,7 +239,9 @@ one round) and ``bench_train_4b`` (45: out of memory on 79 GiB), back to back: t
 after 30 s idle, so the calls follow each other without analysis between them. The most telling
 step of a call goes first, so a call cut short loses the least. Later on 12-06 (H100):
 ``train_kernels megatron bench_train`` 284 s (six 0.6B variants), ``bench_step`` 305 s,
-``bench_rollout`` 254 s (two rounds, the order swapped)."""
+``bench_rollout`` 254 s (two rounds, the order swapped). Fifth 12-06 session (H100): ``megatron``
+125 s, ``bench_step_resident`` over 300 s (two rollouts, vLLM's start 152 s on a cold machine),
+``bench_step`` 374 s, ``bench_rollout`` past 480 s (four rounds at ~95 s each)."""
 
 
 class SelectionError(ValueError):
