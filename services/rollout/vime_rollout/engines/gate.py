@@ -93,6 +93,18 @@ def gate_config(*, host: str, port: int, socket_path: str, token: str | None) ->
     }
 
 
+def prepare_gate(
+    name: str, *, host: str, port: int, socket_path: str, token: str | None
+) -> tuple[list[str], list[Path]]:
+    """Caddy's command for ``name``'s gate (its configuration written beside the socket, an earlier
+    life's socket removed: the engine's bind would fail), and the files to remove once gate and
+    engine have stopped: the socket, and the configuration, which holds the token."""
+    socket = Path(socket_path)
+    socket.unlink(missing_ok=True)
+    argv = gate_argv(socket.parent, name, host=host, port=port, socket_path=socket_path, token=token)
+    return argv, [socket, Path(argv[-1])]
+
+
 def gate_argv(
     directory: Path, name: str, *, host: str, port: int, socket_path: str, token: str | None
 ) -> list[str]:

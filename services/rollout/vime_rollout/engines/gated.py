@@ -16,57 +16,46 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from types import FrameType
 
-from vime_rollout.engines.gate import gate_argv
+from vime import procs
+from vime_rollout.engines.gate import prepare_gate
 
 TOKEN_ENV = "VIME_GATE_TOKEN"
 STOP_GRACE_S = 15.0
-
-
-def _stop(child: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if child.poll() is None:
-        child.send_signal(sig)
-        try:
-            child.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+OUTPUT = "/dev/stdout"
+"""Where both children write: this process's own output (a container's log)."""
 
 
 def run(name: str, host: str, port: int, socket_path: str, engine_argv: list[str]) -> int:
     """Gate and engine until one of them ends; returns that one's exit code."""
-    socket = Path(socket_path)
-    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    socket.parent.chmod(0o700)
-    socket.unlink(missing_ok=True)  # an earlier life's socket: the engine's bind would fail
-    env = dict(os.environ)
-    token = env.pop(TOKEN_ENV, "") or None
-    argv = gate_argv(socket.parent, name, host=host, port=port, socket_path=str(socket), token=token)
-    gate = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-    engine = subprocess.Popen(engine_argv, env=env, stdin=subprocess.DEVNULL)
+    Path(socket_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    Path(socket_path).parent.chmod(0o700)
+    token = os.environ.pop(TOKEN_ENV, "") or None  # the children inherit the rest of the environment
+    argv, private = prepare_gate(name, host=host, port=port, socket_path=socket_path, token=token)
+    gate = procs.start(f"{name}-gate", argv, log_path=OUTPUT)
+    engine = procs.start(name, engine_argv, log_path=OUTPUT)
     children = [engine, gate]
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+            if child.alive():
+                procs.signal_group(child.pid, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     try:
-        while all(c.poll() is None for c in children):
+        while all(c.alive() for c in children):
             time.sleep(0.2)
-        ended = next(c for c in children if c.returncode is not None)
+        ended = next(c for c in children if not c.alive())
         for child in children:
-            _stop(child)
-        return int(ended.returncode)
+            child.stop(grace_s=STOP_GRACE_S)
+        return int(ended.popen.returncode)
     finally:
-        socket.unlink(missing_ok=True)
-        Path(argv[-1]).unlink(missing_ok=True)  # the gate's configuration holds the token
+        for path in private:
+            path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from vime import procs
 from vime_rollout.engines.commands import EngineCommand
-from vime_rollout.engines.gate import gate_argv
+from vime_rollout.engines.gate import prepare_gate
 from vime_rollout.engines.gated import TOKEN_ENV
 from vime_rollout.engines.spec import EngineSpec
 
@@ -78,20 +78,13 @@ class LocalLauncher:
         if command is None:
             raise ValueError(f"{spec.name}: a local engine needs a command")
         log.info("starting %s on %s (GPUs %s)", spec.name, spec.url, spec.gpu_ids or "none")
-        gate, private = None, []
+        gate: procs.Child | None = None
+        private: list[Path] = []
         if spec.socket:
-            socket = Path(spec.socket)
-            socket.unlink(missing_ok=True)  # an earlier life's socket: the engine's bind would fail
-            argv = gate_argv(
-                socket.parent,
-                spec.name,
-                host=spec.host,
-                port=spec.port,
-                socket_path=str(socket),
-                token=self.token,
+            argv, private = prepare_gate(
+                spec.name, host=spec.host, port=spec.port, socket_path=spec.socket, token=self.token
             )
             gate = procs.start(f"{spec.name}-gate", argv, log_path=self.log_dir / f"{spec.name}-gate.log")
-            private = [socket, Path(argv[-1])]
         child = procs.start(
             spec.name, command.argv, log_path=self.log_dir / f"{spec.name}.log", env=command.env
         )
