@@ -4,12 +4,12 @@ socket in a directory only this user can enter (the real launcher, reference eng
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -24,14 +24,13 @@ from vime_rollout.engines.gated import TOKEN_ENV
 from vime_rollout.engines.launchers import LocalLauncher, LocalProcess
 from vime_rollout.engines.spec import EngineSpec
 
+from tests.support.router_harness import FAKE_ENGINE
 from vime import procs
 from vime.clients.engine import EngineClient
 from vime.config import load_config
 from vime.models.tiny import ensure_tiny_qwen3
-from vime.retry import poll_until_blocking
 
 TOKEN = "gate-t0ken"
-FAKE_ENGINE = Path(__file__).resolve().parents[1] / "support" / "fake_engine.py"
 
 
 def _gated_engine(tmp: Path) -> tuple[EngineSpec, LocalLauncher, EngineCommand]:
@@ -115,47 +114,44 @@ def test_a_dead_gate_is_a_dead_engine(gated: tuple[EngineSpec, LocalProcess]) ->
     assert not process.alive()
 
 
-def _gated_wrapper(directory: Path, port: int) -> subprocess.Popen[bytes]:
+def _gated_wrapper(directory: Path, port: int) -> procs.Child:
     """`engines.gated` as a container runs it (the launcher's arguments), around a fake engine."""
     socket_path = str(directory / "gate" / "engine0.sock")
     engine = [sys.executable, str(FAKE_ENGINE), "--uds", socket_path, "--engine-id", "e0"]
     where = ["--name", "engine0", "--host", "127.0.0.1", "--port", str(port), "--socket", socket_path]
     argv = [sys.executable, "-m", "vime_rollout.engines.gated", *where, "--", *engine]
-    return subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: TOKEN}, start_new_session=True)
+    return procs.start("gated", argv, log_path=directory / "gated.log", env={TOKEN_ENV: TOKEN})
 
 
 @pytest.mark.parametrize("ending", ["SIGTERM to the wrapper", "the engine dies"])
-def test_the_container_wrapper_gates_its_engine_and_ends_with_it(tmp_path: Path, ending: str) -> None:
+def test_the_container_wrapper_gates_its_engine_and_ends_with_it(ending: str) -> None:
     """engine.launcher=docker: gate and engine in one process tree (the container's first process)."""
-    directory, port = Path(tempfile.mkdtemp(prefix="vime-gated-")), procs.free_port()
+    directory, port = Path(tempfile.mkdtemp(prefix="vime-gated-")), procs.free_port()  # short socket path
     wrapper = _gated_wrapper(directory, port)
+    children = []
     try:
         url = f"http://127.0.0.1:{port}"
-        poll_until_blocking(lambda: _answers(url), timeout_s=60, interval_s=0.2, what="the gated engine")
+        procs.wait_healthy(url, wrapper, timeout_s=60)
+        children = psutil.Process(wrapper.pid).children(recursive=True)
         assert stat.S_IMODE(os.stat(directory / "gate").st_mode) == 0o700
         with httpx.Client(base_url=url, timeout=10) as http:
-            assert http.get("/health").status_code == 200
             assert http.post("/sleep", json={}).status_code == 401
             assert (
                 http.post("/sleep", json={}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
             )
-        engine = psutil.Process(wrapper.pid).children()
-        assert TOKEN_ENV not in next(p for p in engine if "fake_engine" in " ".join(p.cmdline())).environ()
+        engine = next(p for p in children if "fake_engine" in " ".join(p.cmdline()))
+        assert TOKEN_ENV not in engine.environ()
         if ending == "SIGTERM to the wrapper":
-            wrapper.send_signal(signal.SIGTERM)
+            wrapper.popen.send_signal(signal.SIGTERM)
         else:
-            next(p for p in engine if "fake_engine" in " ".join(p.cmdline())).kill()
-        wrapper.wait(timeout=30)
+            engine.kill()
+        wrapper.popen.wait(timeout=30)
         assert not procs.port_open("127.0.0.1", port)  # the gate went with it
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
         assert not any((directory / "gate").iterdir())  # socket and the token's configuration removed
     finally:
-        procs.signal_group(wrapper.pid, signal.SIGKILL)
-        wrapper.wait(timeout=10)
+        for p in children:  # in their own process groups: a failed test must not leave them behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        wrapper.kill()
         shutil.rmtree(directory)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
