@@ -43,7 +43,7 @@ from typing import Any
 
 from gpu_common import bench_model, console, emit
 from rich.table import Table
-from step_gpu import TOKEN, run_config
+from step_gpu import TOKEN, RunSpec, run_config
 
 from vime.clients.trainer import TrainerClient
 from vime.config import load_config
@@ -105,7 +105,7 @@ def mode_config(work: Path, args: argparse.Namespace, model: Path, mode: str) ->
         gpu_memory_utilization=args.sync_engine_mem if mode == "sync" else args.engine_mem,
         enforce_eager=args.enforce_eager,
         logprobs=True,
-        weight_loads=["vllm"],
+        runs=[RunSpec.parse("vllm")],
     )
     (work / mode).mkdir(parents=True, exist_ok=True)
     cfg = run_config(work / mode, step_args, model)

@@ -15,9 +15,11 @@ per step, the transitions (offload + onload weights + weight sync + onload KV) a
 ``weights/<phase>_s`` metrics), GB/s. Step 0 pays warm-ups (first optimizer step, allocator
 growth); the summary is the median of the later steps.
 
-``--weight-loads direct vllm`` runs one run per ``engine.weight_load`` value, one after the other
-on the same stack (engines started with the direct-load extension, so both can be used), and
-compares their ``T_weight_sync`` and transitions.
+``--runs direct vllm`` runs one run per entry, one after the other on the same stack (engines
+started with the direct-load extension when an entry asks for it), and compares their steady
+medians. An entry is an ``engine.weight_load`` value, optionally followed by run overrides the
+trainer takes per run (``direct,offload_train=false``: the trainer's state stays on the GPU while
+the engines run), so two settings are compared on one machine and one vLLM start.
 
 ``--compare-rollout`` first measures, on the same engines before the run starts, the same
 requests sent straight to the engine vs through the manager + router (an eval rollout over the
@@ -25,7 +27,7 @@ training prompts at temperature 1; nothing is published): output tokens/s and th
 (goal ≥ 0.97). ``bench/rollout_gpu.py`` does this alone, with and without log-probs.
 
     python bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 3 \
-        --weight-loads direct vllm
+        --runs direct vllm
     python bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 2  # CPU
 """
 
@@ -37,9 +39,11 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from gpu_common import bench_model, console, direct_round, emit, manager_payloads, write_prompts
 from rich.table import Table
 
@@ -73,11 +77,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--logprobs", action="store_true", help="request rollout log-probs (mismatch metrics on)")
     p.add_argument("--compare-rollout", action="store_true")
     p.add_argument(
-        "--weight-loads",
+        "--runs",
         nargs="+",
-        default=["vllm"],
-        choices=["vllm", "direct"],
-        help="engine.weight_load of each run, in order (one run each, same stack)",
+        type=RunSpec.parse,
+        default=[RunSpec.parse("vllm")],
+        help="one run each, in order, same stack: WEIGHT_LOAD[,KEY=VALUE...] (e.g. direct,offload_train=false)",
     )
     p.add_argument(
         "--set",
@@ -107,7 +111,9 @@ def run_config(work: Path, args: argparse.Namespace, model: Path) -> dict[str, A
         "backend": args.engine,
         "base_port": procs.free_port(),
         "startup_timeout_s": 600,
-        "weight_load": "direct" if "direct" in args.weight_loads else "vllm",  # the extension, when asked
+        "weight_load": "direct"
+        if any(r.weight_load == "direct" for r in args.runs)
+        else "vllm",  # the extension
     }
     if gpu:
         engine |= {"gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
@@ -175,16 +181,50 @@ async def compare_rollout(cfg: RunConfig, model: Path) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the bench: how its pushes load weights, and other per-run overrides."""
+
+    weight_load: str
+    overrides: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        """The run's name in the results and its run id: ``direct``, ``direct-offload_train-false``."""
+        extra = "-".join(f"{k.replace('.', '_')}-{v}" for k, v in self.overrides.items())
+        return f"{self.weight_load}-{extra}".lower() if extra else self.weight_load
+
+    @classmethod
+    def parse(cls, text: str) -> RunSpec:
+        weight_load, *pairs = text.split(",")
+        if weight_load not in ("vllm", "direct"):
+            raise argparse.ArgumentTypeError(f"{text!r}: starts with vllm or direct")
+        overrides: dict[str, Any] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise argparse.ArgumentTypeError(f"{pair!r} in {text!r} is not KEY=VALUE")
+            overrides[key] = yaml.safe_load(value)
+        return cls(weight_load, overrides)
+
+    def request(self, first: int, rollouts: int) -> dict[str, Any]:
+        """The run request's config: these settings, from rollout id ``first`` (a later run continues
+        the ids, so the rollout manager publishes new batches for it)."""
+        out: dict[str, Any] = {"engine": {"weight_load": self.weight_load}}
+        for key, value in self.overrides.items():
+            *sections, leaf = key.split(".")
+            node = out
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = value
+        return out | {"start_rollout_id": first, "num_rollout": first + rollouts}
+
+
 async def run(
-    cfg: RunConfig, run_id: str, weight_load: str, first: int, timeout_s: float
+    cfg: RunConfig, run_id: str, spec: RunSpec, first: int, timeout_s: float
 ) -> tuple[Any, list[dict[str, Any]]]:
-    """One run of ``cfg.num_rollout`` rollouts from rollout id ``first`` (a later run continues the
-    ids, so the rollout manager publishes new batches for it)."""
-    override = {
-        "engine": {"weight_load": weight_load},
-        "start_rollout_id": first,
-        "num_rollout": first + cfg.num_rollout,
-    }
+    """One run of ``cfg.num_rollout`` rollouts from rollout id ``first``."""
+    override = spec.request(first, cfg.num_rollout)
     async with TrainerClient(cfg.services.url("trainer"), token=TOKEN, timeout=60) as client:
         await client.start_run(override, run_id=run_id)
         status = await client.wait_run(run_id, timeout_s=timeout_s, poll_s=1.0)
@@ -270,6 +310,38 @@ def rank_parts(row: dict[str, Any]) -> dict[str, float]:
     return parts | {k.replace("/", "_"): float(v) for k, v in row.items() if k.startswith("trainer/")}
 
 
+COMPARED = (
+    "T_step",
+    "train",
+    "rank_t_passes_s",
+    "trainer_wake_s",
+    "trainer_sleep_s",
+    "trainer_freed_gib",
+    "trainer_peak_gib",
+    "trainer_asleep_reserved_gib",
+    "weight_sync",
+    "pause_to_resume_s",
+    "onload_kv",
+    "transitions",
+    "transitions_frac",
+)
+"""The steady medians set side by side when a bench has several runs."""
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Each compared part's steady median per run (None where a run has none), as a table."""
+    medians = {label: r.get("steady_median", {}) for label, r in runs.items()}
+    out = {key: {label: m.get(key) for label, m in medians.items()} for key in COMPARED}
+    table = Table(title="steady medians side by side (same stack, same engines)")
+    table.add_column("part")
+    for label in medians:
+        table.add_column(label, justify="right")
+    for key, row in out.items():
+        table.add_row(key, *("—" if v is None else f"{v:.4g}" for v in row.values()))
+    console.print(table)
+    return out
+
+
 def main() -> None:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-step-"))
@@ -293,11 +365,12 @@ def main() -> None:
         out["stack_start_s"] = round(time.monotonic() - t0, 1)
         if args.compare_rollout:
             out["rollout_compare"] = asyncio.run(compare_rollout(plan.cfg, model))
-        for k, kind in enumerate(args.weight_loads):  # one run each, one after the other, same engines
+        for k, spec in enumerate(args.runs):  # one run each, one after the other, same engines
             t0 = time.monotonic()
+            kind = spec.label
             run_id = f"{RUN_ID}-{kind}"
             try:
-                status, events = asyncio.run(run(plan.cfg, run_id, kind, k * args.rollouts, timeout_s=3000))
+                status, events = asyncio.run(run(plan.cfg, run_id, spec, k * args.rollouts, timeout_s=3000))
                 state = {"state": str(status.state), "error": status.error}
             except Exception as exc:  # a failed run is reported; the others still run
                 events, state = [], {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
@@ -312,13 +385,8 @@ def main() -> None:
             [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
         )
         out["runs"][kind] |= report(rows, push_figures(events), kind)
-    medians = {k: r.get("steady_median", {}) for k, r in out["runs"].items()}
-    if {"vllm", "direct"} <= set(medians):
-        out["direct_vs_vllm"] = {
-            key: {k: medians[k].get(key) for k in ("direct", "vllm")}
-            for key in ("weight_sync", "transitions", "transitions_frac", "pause_to_resume_s", "T_step")
-        }
-        console.print(f"direct vs vllm (steady medians): {out['direct_vs_vllm']}")
+    if len(out["runs"]) > 1:
+        out["compared"] = compare(out["runs"])
     emit("step", **out)
 
 

@@ -51,8 +51,7 @@ TRAIN_VARIANTS_06B = [
     "padded",  # right-padded micro-batches of 4 samples (packed at 4 per micro-batch: 0.94x HF, left out)
     f"budget16k {_PACKED} max_tokens_per_gpu=16384",
     f"budget32k {_PACKED} max_tokens_per_gpu=32768",
-    f"budget32k_torch_norm {_PACKED} max_tokens_per_gpu=32768 trainer.fused_norm=false",
-    f"budget32k_chunk4k {_PACKED} max_tokens_per_gpu=32768 trainer.logprob_chunk_size=4096",
+    f"budget32k_bf16_grads {_PACKED} max_tokens_per_gpu=32768 trainer.grad_reduce_in_fp32=false",
     f"budget64k {_PACKED} max_tokens_per_gpu=65536",
 ]
 """Bench variants of the step (bench/train_step.py ``--variant``)."""
@@ -136,25 +135,23 @@ STEPS: dict[str, Step] = {
             "bench_step",
             "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts, one run with engine.weight_load=direct then one with vllm",
             _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args("--rollouts 2 --weight-loads direct vllm")
+            + _args("--rollouts 2 --runs direct vllm")
             + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768"),
             _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
-            + _args("--rollouts 2 --weight-loads direct vllm"),
+            + _args("--rollouts 2 --runs direct vllm"),
             timeout_s=480,
             expect_s=340,
         ),
         Step(
             "bench_step_resident",
-            "bench_step with offload_train=false (the trainer's optimizer state stays on the GPU while vLLM generates), engine.weight_load=direct",
+            "bench_step's workload twice on one stack, engine.weight_load=direct: the default (the trainer's state offloaded while vLLM generates), then offload_train=false (it stays on the GPU)",
             _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args(
-                "--rollouts 3 --weight-loads direct"
-            )  # on a cold compile cache the second step recompiles
-            + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768 --set offload_train=false"),
+            + _args("--rollouts 3 --runs direct direct,offload_train=false")
+            + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768"),
             _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
-            + _args("--rollouts 2 --weight-loads direct --set offload_train=false"),
-            timeout_s=330,
-            expect_s=260,
+            + _args("--rollouts 2 --runs direct direct,offload_train=false"),
+            timeout_s=560,
+            expect_s=420,
         ),
         Step(
             "bench_async_sync",
@@ -197,7 +194,7 @@ STEPS: dict[str, Step] = {
                 "bench/train_step.py --shape 0.6b --gpus 1 --samples 64 --prompt-len 200 --response-len 800"
             )
             + _args("--lengths capped --micro-batch 4 --steps 3 --sleep-check --profile")
-            + _args("--profile-variants budget16k")
+            + _args("--profile-variants budget32k")
             + _variants(TRAIN_VARIANTS_06B),
             _args("bench/train_step.py --shape micro --samples 8 --prompt-len 16 --response-len 48 --steps 2")
             + _args("--lengths uniform --sleep-check --profile")

@@ -36,6 +36,7 @@ RUN_FIELDS = frozenset(
         "eps_clip_high",
         "eps_clip_c",
         "flush_cache_interval",
+        "offload_train",
         "mode",
         "max_staleness",
         "tensor_model_parallel_size",
@@ -45,7 +46,8 @@ RUN_FIELDS = frozenset(
         "actor_num_cpu_ranks",
     }
 )
-"""Top-level fields only the trainer reads (the DP size they give reaches the rollout manager with
+"""Top-level fields only the trainer reads (``offload_train``: whether its sleep copies its state
+to the host or leaves it on the GPU; the DP size they give reaches the rollout manager with
 each request, which refuses one that does not split its batches; ``max_staleness`` reaches its async
 producer when the run starts it), and ``mode``, which the rollout manager reads at its start: a run
 may name it only as that (409 otherwise, `runs.check_mode`)."""

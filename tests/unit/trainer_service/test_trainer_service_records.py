@@ -112,6 +112,8 @@ def test_request_config_goes_on_top_of_the_service_config(tmp_path: Path) -> Non
     cfg = run_config(load, RunRequest(run_id="exp1", config={"num_rollout": 3, "eps_clip": 0.3}))  # type: ignore[arg-type]
     assert cfg.run_id == "exp1" and cfg.num_rollout == 3
     assert cfg.eps_clip_high == 0.3  # derived values are derived again from the merged config
+    assert cfg.offload_train  # the colocated synchronous default; a run may keep its state on the GPU
+    assert not run_config(load, RunRequest(config={"offload_train": False})).offload_train  # type: ignore[arg-type]
     assert cfg.trainer.checkpoint_dir == str(tmp_path / "exp1")
     with pytest.raises(ServiceError) as err:
         run_config(load, RunRequest(config={"rollout_batch_size": -1}))  # type: ignore[arg-type]
