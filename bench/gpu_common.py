@@ -236,21 +236,27 @@ def manager_payloads(
 
 
 async def direct_round(
-    urls: list[str], payloads: list[dict[str, Any]], concurrency: int, replies: list[float] | None = None
+    urls: list[str],
+    payloads: list[dict[str, Any]],
+    concurrency: int,
+    replies: list[float] | None = None,
+    path: str | None = None,
 ) -> tuple[int, float]:
     """All payloads straight to the engines (round-robin, ``concurrency`` in flight) with the HTTP
-    client the manager uses towards the router; (generated tokens, seconds). ``replies`` gets the
-    time of each reply from the start, as the rollout's ``rollout/t_*_response_s``."""
+    client the manager uses towards the router, to vLLM's generate route (or ``path``); (generated
+    tokens, seconds). ``replies`` gets the time of each reply from the start, as the rollout's
+    ``rollout/t_*_response_s``."""
     from vime.clients.router import RouterDataClient
     from vime.wire.vllm import GENERATE_PATH
 
+    path = path or GENERATE_PATH
     sem = asyncio.Semaphore(concurrency)
     clients = [RouterDataClient(u, timeout_s=1800) for u in urls]
     targets = itertools.cycle(clients)
 
     async def one(payload: dict[str, Any], client: RouterDataClient) -> int:
         async with sem:
-            out = await client.post(GENERATE_PATH, payload)
+            out = await client.post(path, payload)
             if replies is not None:
                 replies.append(time.perf_counter() - t0)
             return len(out["choices"][0]["token_ids"])

@@ -10,9 +10,9 @@ never comes and responses run to ``--max-tokens`` on both sides.
 Per variant — with per-token log-probs (what rollout-logprob training and the mismatch metrics
 need) and without — the same requests (the manager's own request builder, seed step 19) are sent:
 
-- ``direct``: straight to the engine with the manager's HTTP client, nothing else; with log-probs
-  in both forms: the manager's (``logprobs: 0, flat_logprobs: true``) and the seed's
-  (``logprobs: 1``), which read the same (tests/contract);
+- ``direct``: straight to the engine's own ``/inference/v1/generate`` with the manager's HTTP
+  client, nothing else; with log-probs also to vime's compact route (``/vime/v1/generate``: the
+  same request, the log-probs as one list of floats), which the manager's requests take;
 - ``manager``: ``POST /v1/rollouts`` on a rollout manager (engine given as external) → router
   (vllm-router) → engine, rewards, batch building, Redis publish. Its generation-phase
   throughput (``rollout/wall_s``) and end-to-end throughput (the whole POST) are both reported,
@@ -24,8 +24,8 @@ rounds of both (default 2), the order swapped every round (odd rounds: manager f
 neither side always runs on the colder engine; the medians are reported (one round on the H100
 on 12-06 had the manager 1.24× the direct round with log-probs, which order alone can do).
 
-Printed: output tokens/s of each side and manager / direct (goal ≥ 0.98), the manager's form of
-log-probs over the seed's, and the manager with log-probs over direct without (goal ≥ 0.8); per
+Printed: output tokens/s of each side and manager / direct (goal ≥ 0.98), the compact route over
+vLLM's own (direct, with log-probs), and the manager with log-probs over direct without (goal ≥ 0.8); per
 round, the engine's load while each side ran (`engine_load`: peak and mean running requests, when
 the peak came, peak waiting). Raw
 vLLM 0.26 on one H200 did ~9k tok/s with ``logprobs: 1`` and ~27k without (notes/gpu_baselines.md).
@@ -67,7 +67,7 @@ from vime import procs
 from vime.clients.rollout import RolloutClient
 from vime.config import load_config
 from vime.models.tiny import QWEN3_SHAPES, SHAPES
-from vime.wire.vllm import logprobs_to_request
+from vime.wire.vllm import COMPACT_GENERATE_PATH, logprobs_to_request
 
 TOKEN = "bench-token"
 N = 8
@@ -165,26 +165,18 @@ def warm_up_form(payloads: list[dict[str, Any]], max_tokens: int = 32) -> list[d
     return [p | {"sampling_params": p["sampling_params"] | {"max_tokens": max_tokens}} for p in payloads]
 
 
-def seed_form(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same requests with log-probs asked as the seed does (``logprobs: 1``, nothing else)."""
-    out = []
-    for p in payloads:
-        sp = {k: v for k, v in p["sampling_params"].items() if k != "flat_logprobs"} | {"logprobs": 1}
-        out.append({**p, "sampling_params": sp})
-    return out
-
-
 async def _direct_rounds(
     engine_url: str, payloads: list[dict[str, Any]], concurrency: int, logprobs: bool, replies: list[float]
 ) -> dict[str, float]:
-    """The requests straight to the engine (with log-probs: in the manager's form, then the seed's)."""
+    """The requests straight to the engine's own generate route (with log-probs: then to vime's
+    compact route, the one the manager's requests take)."""
     async with engine_load(engine_url) as load:
         tokens, wall = await direct_round([engine_url], payloads, concurrency, replies)
     row = {"direct_tps": tokens / wall, "direct_tokens": float(tokens), "direct_s": wall}
     row |= {f"direct_{k}": v for k, v in load.summary().items()}
     if logprobs:
-        s_tokens, s_wall = await direct_round([engine_url], seed_form(payloads), concurrency)
-        row |= {"direct_seed_form_tps": s_tokens / s_wall, "direct_seed_form_s": s_wall}
+        c_tokens, c_wall = await direct_round([engine_url], payloads, concurrency, path=COMPACT_GENERATE_PATH)
+        row |= {"direct_compact_tps": c_tokens / c_wall, "direct_compact_s": c_wall}
     return row
 
 
@@ -259,7 +251,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, e
     for col in (
         "variant",
         "direct tok/s",
-        "direct, seed's form",
+        "direct, compact route",
         "manager tok/s",
         "manager / direct",
         "manager e2e tok/s",
@@ -271,13 +263,13 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, e
         d = statistics.median(r["direct_tps"] for r in rows)
         m = statistics.median(r["manager_tps"] for r in rows)
         e = statistics.median(r["manager_e2e_tps"] for r in rows)
-        seeds = [r["direct_seed_form_tps"] for r in rows if "direct_seed_form_tps" in r]
-        seed = statistics.median(seeds) if seeds else None
+        compacts = [r["direct_compact_tps"] for r in rows if "direct_compact_tps" in r]
+        compact = statistics.median(compacts) if compacts else None
         gaps = {k: round(statistics.median(r["gap_s"][k] for r in rows), 4) for k in rows[0]["gap_s"]}
         table.add_row(
             name,
             f"{d:,.0f}",
-            "-" if seed is None else f"{seed:,.0f}",
+            "-" if compact is None else f"{compact:,.0f}",
             f"{m:,.0f}",
             f"{m / d:.3f}",
             f"{e:,.0f}",
@@ -292,8 +284,8 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, e
             "median_gap_s": gaps,
             "rounds": rows,
         }
-        if seed is not None:
-            summary[name] |= {"direct_seed_form_tps": round(seed), "cheap_over_seed_form": round(d / seed, 4)}
+        if compact is not None:
+            summary[name] |= {"direct_compact_tps": round(compact), "compact_over_vllm_route": round(compact / d, 4)}
         console.print(f"{name}: median gap to direct by part (s): {gaps}")
     console.print(table)
     if {"logprobs", "no_logprobs"} <= set(summary):

@@ -11,7 +11,7 @@ from contract_support import EngineUnderTest, HFReference, debug_state, greedy
 
 from vime.clients.engine import EngineClient
 from vime.wire.engine import EngineVersion
-from vime.wire.vllm import parse_generate_response
+from vime.wire.vllm import COMPACT_GENERATE_PATH, build_sampling_params, parse_generate_response
 
 PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
 
@@ -59,6 +59,32 @@ async def test_generate_shape(engine: EngineClient, eut: EngineUnderTest) -> Non
 
     bare = await engine.generate_raw({"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}})
     assert bare["choices"][0]["logprobs"] is None  # no logprobs asked, none sent
+
+
+async def test_the_compact_route_reads_as_vllms_own(engine: EngineClient, eut: EngineUnderTest) -> None:
+    """vime's ``/vime/v1/generate`` (what the rollout manager posts to on the engines it starts):
+    the same request as ``/inference/v1/generate``, the same tokens, log-probs, finish reason and
+    usage; the log-probs one float per token, none when none were asked for; a bad body refused
+    (which is how the manager tells the route is there)."""
+    assert await engine.serves_compact_generate()
+    sp = build_sampling_params(max_new_tokens=24, temperature=1.0, top_p=1.0, logprobs=0, seed=7)
+    body = {"model": eut.served_name, "token_ids": PROMPT, "sampling_params": sp | {"ignore_eos": True}}
+    own = await engine.generate_raw(body)
+    compact = await engine.request("POST", COMPACT_GENERATE_PATH, json=body)
+    (choice,) = compact["choices"]
+    assert isinstance(choice["logprobs"], list) and len(choice["logprobs"]) == len(choice["token_ids"]) == 24
+    a, b = parse_generate_response(own), parse_generate_response(compact)
+    assert b.token_ids == a.token_ids and (b.finish_reason, a.finish_reason) == ("length", "length")
+    assert a.log_probs is not None and b.log_probs is not None
+    assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) <= 1e-6
+    assert (b.prompt_tokens, b.completion_tokens) == (a.prompt_tokens, a.completion_tokens) == (8, 24)
+    assert compact["request_id"].startswith("generate-tokens-") and compact["model"] == eut.served_name
+
+    bare = {k: v for k, v in sp.items() if k not in ("logprobs", "flat_logprobs")}
+    out = await engine.request("POST", COMPACT_GENERATE_PATH, json={"token_ids": PROMPT, "sampling_params": bare})
+    assert out["choices"][0]["logprobs"] is None
+    refused = await engine.send("POST", COMPACT_GENERATE_PATH, json={})
+    assert 400 <= refused.status_code < 500 and refused.status_code != 404
 
 
 async def test_logprobs_are_the_sampled_tokens_under_the_model(

@@ -11,6 +11,7 @@ from vime.wire.vllm import (
     GenerateRequest,
     GenerateResponseError,
     build_sampling_params,
+    compact_choice,
     logprobs_to_request,
     parse_generate_response,
 )
@@ -33,6 +34,7 @@ def test_seed_step_19_translation() -> None:
         "max_tokens": 1024,
         "temperature": 1.0,
         "top_p": 1.0,
+        "output_kind": 2,  # FINAL_ONLY: the engine's output once, at the end (the same reply)
         "logprobs": 0,  # the seed's 1 gives the same numbers (tests/contract); 0 skips the top-1 search
         "flat_logprobs": True,
         "top_k": -1,
@@ -198,3 +200,19 @@ def test_parse_without_logprobs_and_short_content() -> None:
 def test_malformed_responses_raise(bad: object) -> None:
     with pytest.raises(GenerateResponseError):
         parse_generate_response(bad)  # type: ignore[arg-type]
+
+
+def test_compact_replies_parse_as_vllms_and_floor_their_log_probs() -> None:
+    choice = compact_choice(0, [7, 8, 9], [-0.5, float("-inf"), float("nan")], None)
+    assert choice == {
+        "index": 0,
+        "token_ids": [7, 8, 9],
+        "logprobs": [-0.5, -9999.0, -9999.0],
+        "finish_reason": "stop",
+    }
+    out = {"choices": [choice], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+    result = parse_generate_response(out)
+    assert result.token_ids == [7, 8, 9] and result.log_probs == [-0.5, LOGPROB_SENTINEL, LOGPROB_SENTINEL]
+    assert parse_generate_response({"choices": [compact_choice(0, [7], None, "length")]}).log_probs is None
+    with pytest.raises(GenerateResponseError, match="2 log-probs for 3 tokens"):
+        parse_generate_response({"choices": [choice | {"logprobs": [-0.5, -0.5]}]})

@@ -17,7 +17,7 @@ from typing import Any, TypedDict, Unpack
 from vime.clients.base import ServiceCallError, ServiceClient
 from vime.wire.engine import EngineVersion, PauseMode, logprobs_mode_in
 from vime.wire.engine_metrics import FINISHED, metric_sum
-from vime.wire.vllm import GENERATE_PATH, GenerateResult, parse_generate_response
+from vime.wire.vllm import COMPACT_GENERATE_PATH, GENERATE_PATH, GenerateResult, parse_generate_response
 
 DEFAULT_GENERATE_TIMEOUT_S = 1800.0
 """Long enough for a 1024-token generation queued behind hundreds of others."""
@@ -181,6 +181,13 @@ class EngineClient(ServiceClient):
         ``GET /metrics``); None where it does not say."""
         response = await self.send("GET", "/metrics", idempotent=True)
         return metric_sum(response.content, FINISHED) if response.status_code == 200 else None
+
+    async def serves_compact_generate(self) -> bool:
+        """Whether the engine has vime's compact generate route (`COMPACT_GENERATE_PATH`: the engines
+        vime starts do, a plain ``vllm serve`` does not): an empty body there is refused as a bad
+        request by the route, and answered 404 where there is none."""
+        response = await self.send("POST", COMPACT_GENERATE_PATH, json={}, idempotent=True)
+        return response.status_code != 404
 
     async def logprobs_mode(self) -> str | None:
         """The engine's ``--logprobs-mode`` from vLLM's dev-mode ``GET /server_info`` (None: not said)."""

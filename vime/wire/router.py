@@ -14,10 +14,11 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vime.wire.bounds import MAX_COUNT
-from vime.wire.vllm import GENERATE_PATH
+from vime.wire.vllm import COMPACT_GENERATE_PATH, GENERATE_PATH
 
 PUBLIC_ROUTES: dict[str, frozenset[str]] = {
     GENERATE_PATH: frozenset({"POST"}),
+    COMPACT_GENERATE_PATH: frozenset({"POST"}),
     "/v1/completions": frozenset({"POST"}),
     "/v1/chat/completions": frozenset({"POST"}),
     "/health": frozenset({"GET"}),

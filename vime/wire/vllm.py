@@ -1,7 +1,8 @@
 """vLLM's token-in/token-out generate route: request building and response parsing.
 
 Seed step 19 translates vime's sampling parameters into vLLM's; step 25 zips the response's
-token ids with ``logprobs.content``. Three response generations are understood: the seed's scalar
+token ids with ``logprobs.content`` (or, from vime's own route, a list of floats:
+`compact_choice`). Three response generations are understood: the seed's scalar
 ``weight_version``, vLLM 0.33's per-choice ``weight_versions`` spans, and vLLM 0.26 which reports
 no version at all (the caller then records the version it knows the engine holds).
 """
@@ -16,6 +17,16 @@ LOGPROB_SENTINEL = -9999.0
 """vLLM writes this when the sampled token has no logprob entry (seed step 24); kept as is."""
 
 GENERATE_PATH = "/inference/v1/generate"
+
+COMPACT_GENERATE_PATH = "/vime/v1/generate"
+"""The generate route of the engines vime starts: the same request as ``GENERATE_PATH``, a compact
+reply (each choice's log-probs one float per token, `compact_choice`). vLLM 0.26 answers
+``GENERATE_PATH`` with two pydantic objects per token (``logprobs.content[]`` with a
+``top_logprobs`` entry repeating the sampled token), built and dumped on its API server's one event
+loop: ~160 bytes and tens of microseconds per token."""
+
+OUTPUT_KIND_FINAL_ONLY = 2
+"""vLLM's ``RequestOutputKind.FINAL_ONLY``: the engine hands the server a request's output once, when it ends."""
 
 
 def build_sampling_params(
@@ -41,12 +52,16 @@ def build_sampling_params(
     of one dict and one object per position: the same response, far less for its garbage
     collector with hundreds of 1,024-token requests in flight).
     ``detokenize=False`` spares the server detokenising text the client decodes itself; it is
-    dropped when stop strings are used, which need server-side text.
+    dropped when stop strings are used, which need server-side text. ``output_kind`` is
+    ``FINAL_ONLY``: vLLM 0.26's generate route leaves a non-streaming request at ``CUMULATIVE``,
+    building an output object for every request at every decoding step that only the last one
+    of is read (its OpenAI routes ask for the final output alone; the reply is the same).
     """
     sp: dict[str, Any] = {
         "max_tokens": max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
+        "output_kind": OUTPUT_KIND_FINAL_ONLY,
     }
     if logprobs is not None:
         sp["logprobs"] = logprobs
@@ -117,11 +132,40 @@ class GenerateResponseError(ValueError):
     """The engine's reply is not a generate response."""
 
 
+def _floored(x: float) -> float:
+    return x if x > LOGPROB_SENTINEL else LOGPROB_SENTINEL
+
+
+def compact_choice(
+    index: int,
+    token_ids: list[int],
+    log_probs: list[float] | None,
+    finish_reason: str | None,
+    weight_versions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One choice of a `COMPACT_GENERATE_PATH` reply: the sampled tokens' log-probs as a list of
+    floats (vLLM's floor ``LOGPROB_SENTINEL`` applied, NaN included, as its own route applies it),
+    or None when none were asked for."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "token_ids": token_ids,
+        "logprobs": None if log_probs is None else [_floored(x) for x in log_probs],
+        "finish_reason": finish_reason or "stop",
+    }
+    if weight_versions is not None:
+        choice["weight_versions"] = weight_versions
+    return choice
+
+
 def _tokens_and_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float] | None]:
     token_ids = choice.get("token_ids")
     if not isinstance(token_ids, list):
         raise GenerateResponseError("choice has no token_ids list")
     logprobs = choice.get("logprobs")
+    if isinstance(logprobs, list):  # `compact_choice`
+        if len(logprobs) != len(token_ids):
+            raise GenerateResponseError(f"{len(logprobs)} log-probs for {len(token_ids)} tokens")
+        return [int(t) for t in token_ids], [float(x) for x in logprobs]
     if not isinstance(logprobs, dict):
         return [int(t) for t in token_ids], None
     content = logprobs.get("content") or []
@@ -142,7 +186,7 @@ def _version(
 
 
 def parse_generate_response(output: dict[str, Any], choice_index: int = 0) -> GenerateResult:
-    """Parse a non-streaming generate response (vLLM 0.26, 0.33, or the seed's shape)."""
+    """Parse a non-streaming generate response (vLLM 0.26, 0.33, the seed's shape, or the compact one)."""
     if not isinstance(output, dict):
         raise GenerateResponseError(f"expected a JSON object, got {type(output).__name__}")
     if "error" in output and "choices" not in output:

@@ -118,6 +118,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         monitor.pause("offload")
         await group.offload(OFFLOAD_LEVEL)
     monitor.start()
+    log.info("generate requests go to %s on every engine", group.generate_path)
     services = cfg.services
     waited = cfg.reward.request_timeout_s
     reward = RewardClient(
@@ -133,6 +134,7 @@ async def build_manager(cfg: RunConfig, *, log_dir: Path | None = None) -> Rollo
         monitor=monitor,
         generator=RouterGenerator(
             services.url("router"),
+            path=group.generate_path,
             timeout_s=cfg.router.request_timeout_s,
             retry_window_s=cfg.router.retry_window_s,
         ),

@@ -110,6 +110,9 @@ class StubControl:
     async def logprobs_mode(self) -> str | None:
         return self.world.logprobs_mode.get(self.base_url, "processed_logprobs")
 
+    async def serves_compact_generate(self) -> bool:
+        return self.base_url not in self.world.plain_vllm
+
     async def aclose(self) -> None:
         return None
 
@@ -146,6 +149,8 @@ class StubWorld:
         self.finished: dict[str, float] = {}
         """What an engine's /metrics says it finished (absent: it does not say)."""
         self.logprobs_mode: dict[str, str | None] = {}
+        self.plain_vllm: set[str] = set()
+        """Engines without vime's compact generate route."""
         """What an engine's /server_info says (default processed_logprobs; None: it does not say)."""
 
     def start(self, spec: EngineSpec, command: EngineCommand | None) -> StubProcess:

@@ -25,6 +25,7 @@ from vime.config import RunConfig, load_config
 from vime.retry import poll_until
 from vime.wire.engine import normalize_wake_tags
 from vime.wire.rollout import EngineState
+from vime.wire.vllm import COMPACT_GENERATE_PATH, GENERATE_PATH
 
 
 def _cfg(**over: Any) -> RunConfig:
@@ -40,7 +41,7 @@ def test_seed_step_2_vllm_command() -> None:
     assert [s.port for s in specs] == [18100, 18101, 18102, 18103]
     cmd = vllm_command(cfg, specs[2], "/m/qwen", "qwen")
     argv = cmd.argv
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/qwen"]
+    assert argv[1:5] == ["-m", "vime_rollout.vllm_ext.serve", "serve", "/m/qwen"]
 
     def opt(name: str) -> str:
         return argv[argv.index(name) + 1]
@@ -144,7 +145,7 @@ def test_container_spec_shares_ipc_and_gets_its_gpus() -> None:
     assert (
         "CUDA_VISIBLE_DEVICES" not in kw["environment"] and kw["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
     )
-    assert kw["command"][:3] == ["python3", "-m", "vllm.entrypoints.cli.main"]
+    assert kw["command"][:3] == ["python3", "-m", "vime_rollout.vllm_ext.serve"]
     assert kw["volumes"] == {"/models/q": {"bind": "/models/q", "mode": "ro"}}
     assert kw["name"] == "vime-r1-engine1"
 
@@ -252,6 +253,21 @@ def test_an_engine_with_raw_logprobs_is_refused_and_one_that_does_not_say_is_adm
             await group.start()
         world.logprobs_mode[group.records[1].url] = None  # no dev-mode /server_info: a warning only
         await _group(world, n=2).start()
+
+    asyncio.run(main())
+
+
+def test_generate_requests_take_the_compact_route_only_when_every_engine_serves_it() -> None:
+    async def main() -> None:
+        world = StubWorld()
+        group = _group(world, n=2)
+        assert group.generate_path == GENERATE_PATH  # nothing known before the engines start
+        await group.start()
+        assert group.generate_path == COMPACT_GENERATE_PATH
+        world.plain_vllm.add(group.records[1].url)  # an attached `vllm serve`
+        mixed = _group(world, n=2)
+        await mixed.start()
+        assert mixed.generate_path == GENERATE_PATH
 
     asyncio.run(main())
 

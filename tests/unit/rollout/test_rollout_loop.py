@@ -90,6 +90,7 @@ def test_seed_step_19_request_shape(tokenizer: Any) -> None:
             "max_tokens": 1024,
             "temperature": 1.0,
             "top_p": 1.0,
+            "output_kind": 2,
             "logprobs": 0,
             "flat_logprobs": True,
             "top_k": -1,

@@ -5,8 +5,8 @@ Real vLLM: ``--enable-sleep-mode`` when engines are offloaded during training,
 when colocated, the engine's tensor-parallel size and GPU ids, and the dev-mode switches its
 control routes need; every engine, vLLM or reference, ``--logprobs-mode processed_logprobs`` and,
 with ``engine.weight_load: direct``, ``--worker-extension-cls`` of the direct-load extension.
-The form that ran on vLLM 0.26 (notes/vllm_device.md) is
-``python3 -m vllm.entrypoints.cli.main serve`` with ``VLLM_USE_FLASHINFER_SAMPLER=0``.
+vLLM runs as ``python3 -m vime_rollout.vllm_ext.serve serve ...`` (vLLM's own CLI with the
+compact generate route added) with ``VLLM_USE_FLASHINFER_SAMPLER=0``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from vime_rollout.engines.spec import EngineSpec
 LOGPROBS_MODE = "processed_logprobs"
 """Engines report log-probs of the distribution they sample from (logits / T, then top-k/top-p);
 the trainer's are of logits / T (without top-k/top-p, as slime)."""
+
+VLLM_LAUNCHER = "vime_rollout.vllm_ext.serve"
+"""vLLM's CLI (``python -m vllm.entrypoints.cli.main``) with vime's compact generate route added."""
 
 VLLM_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
@@ -99,7 +102,7 @@ def vllm_command(cfg: RunConfig, spec: EngineSpec, model_path: str, served_name:
     """A local ``vllm serve`` child on the engine's GPUs."""
     version = _vllm_version()
     scale_out = version is not None and version >= (0, 33)
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    argv = [sys.executable, "-m", VLLM_LAUNCHER]
     argv += vllm_serve_args(cfg, spec, model_path, served_name, scale_out=scale_out)
     env = {**VLLM_ENV, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpu_ids)}
     return EngineCommand(argv, env)

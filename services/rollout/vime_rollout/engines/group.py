@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from vime.retry import poll_until
 from vime.wire.engine import normalize_wake_tags
 from vime.wire.rollout import LIVE, EngineState
+from vime.wire.vllm import COMPACT_GENERATE_PATH, GENERATE_PATH
 from vime_rollout.engines.commands import LOGPROBS_MODE, EngineCommand
 from vime_rollout.engines.control import HEALTH_TIMEOUT_S, EngineControl, healthy
 from vime_rollout.engines.launchers import Launcher
@@ -80,8 +81,17 @@ class EngineGroup:
         rec.process = await asyncio.to_thread(self.launcher.start, rec.spec, cmd)
         await self.wait_healthy(rec)
         await self.check_logprobs_mode(rec)
+        rec.compact_generate = await rec.control.serves_compact_generate()
         rec.asleep.clear()
         rec.failures = 0
+
+    @property
+    def generate_path(self) -> str:
+        """Where generate requests go: vime's compact route when every engine serves it (the engines
+        vime starts), else vLLM's own (an external ``vllm serve``)."""
+        if self.records and all(rec.compact_generate for rec in self.records):
+            return COMPACT_GENERATE_PATH
+        return GENERATE_PATH
 
     async def wait_healthy(self, rec: EngineRecord) -> None:
         async def up() -> bool:

@@ -32,6 +32,8 @@ class EngineRecord:
     restarts: int = 0
     failures: int = 0
     last_error: str | None = None
+    compact_generate: bool = False
+    """It serves vime's compact generate route (checked at each start)."""
 
     @property
     def url(self) -> str:

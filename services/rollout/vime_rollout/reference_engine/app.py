@@ -1,7 +1,8 @@
 """vLLM 0.26's HTTP API, served by the reference engine: the app, generate and the identity routes.
 
 Same paths, query parameters and bodies as ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``: the
-token-in/token-out generate route, ``/health`` (200, empty), ``/v1/models``, ``/metrics`` (the vLLM
+token-in/token-out generate route (and vime's compact form of it, which the vLLM engines vime
+starts serve too: `vime.wire.vllm.COMPACT_GENERATE_PATH`), ``/health`` (200, empty), ``/v1/models``, ``/metrics`` (the vLLM
 gauges the router reads), ``/server_info`` (the model settings, ``logprobs_mode`` among them), and
 (in `control_routes`) sleep/wake, pause/resume and weight updates. ``GET /version`` reports the
 vLLM API version emulated plus ``"engine": "vime-reference"``, so that a client can tell the
@@ -21,6 +22,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+
+from vime.wire.vllm import COMPACT_GENERATE_PATH, GENERATE_PATH
 
 from .control_routes import add_control_routes, core_of
 from .engine_core import EngineCore
@@ -97,7 +100,6 @@ def build_app(core_factory: Any, served: ServedModel) -> FastAPI:
     app = FastAPI(title="vime reference engine (CPU stand-in for vLLM)", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.post("/inference/v1/generate")
     async def generate(body: GenerateRequest, raw: Request) -> Any:
         core = core_of(raw)
         max_tokens = _check_prompt(body, served)
@@ -116,9 +118,12 @@ def build_app(core_factory: Any, served: ServedModel) -> FastAPI:
 
         async def finished() -> dict[str, Any]:
             await asyncio.shield(req.future)
-            return generate_response(req, served.name)
+            return generate_response(req, served.name, compact=raw.url.path == COMPACT_GENERATE_PATH)
 
         return await _cancel_on_disconnect(raw, finished(), lambda: core.abort([req.request_id]))
+
+    app.post(GENERATE_PATH)(generate)
+    app.post(COMPACT_GENERATE_PATH)(generate)
 
     @app.get("/health")
     async def health() -> Response:

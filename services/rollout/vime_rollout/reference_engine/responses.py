@@ -6,13 +6,17 @@ The generate response is byte-for-byte the structure vLLM 0.26 returns (``choice
 One 0.33 extra: once a weight version has been set with ``/finish_weight_update``, every choice
 carries ``weight_versions`` spans ``[{"version", "start", "end"}]`` over its output tokens (tokens
 sampled before any version was set are labelled ``"default"``, 0.33's initial label). vLLM 0.26
-has no weight version at all; see ``tests/contract`` for how that difference is tested.
+has no weight version at all; see ``tests/contract`` for how that difference is tested. vime's
+own route (``/vime/v1/generate``, which the vLLM engines vime starts serve too) answers the same
+with each choice's log-probs as a list of floats.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+from vime.wire.vllm import compact_choice
 
 from .sequence import Request, Sequence
 
@@ -48,6 +52,13 @@ def weight_version_spans(versions: list[str | None]) -> list[dict[str, Any]] | N
     return spans
 
 
+def _compact_choice(seq: Sequence) -> dict[str, Any]:
+    log_probs = None if seq.params.logprobs is None else list(seq.logprobs)
+    return compact_choice(
+        seq.index, list(seq.output), log_probs, seq.finish_reason, weight_version_spans(seq.versions)
+    )
+
+
 def _choice(seq: Sequence) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": seq.index,
@@ -62,15 +73,19 @@ def _choice(seq: Sequence) -> dict[str, Any]:
     return choice
 
 
-def generate_response(request: Request, model_name: str, created: int | None = None) -> dict[str, Any]:
-    """The body of a finished (or aborted) generate request."""
+def generate_response(
+    request: Request, model_name: str, created: int | None = None, *, compact: bool = False
+) -> dict[str, Any]:
+    """The body of a finished (or aborted) generate request; ``compact``: as vime's own route
+    answers (`vime.wire.vllm.COMPACT_GENERATE_PATH`)."""
     completion = sum(len(s.output) for s in request.sequences)
     prompt = len(request.prompt)
+    choice = _compact_choice if compact else _choice
     return {
         "request_id": request.request_id,
         "model": model_name,
         "created": int(time.time()) if created is None else created,
-        "choices": [_choice(s) for s in request.sequences],
+        "choices": [choice(s) for s in request.sequences],
         "usage": {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,

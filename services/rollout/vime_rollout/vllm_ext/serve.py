@@ -1,0 +1,30 @@
+"""``vllm serve`` with vime's compact generate route: ``python -m vime_rollout.vllm_ext.serve serve MODEL ...``.
+
+vLLM's own command line, unchanged, except that the app its API server builds also serves
+`compact_generate` (``build_app`` is wrapped before vLLM's CLI runs; vLLM looks it up when it
+serves). That reaches the one API server process each engine vime starts has (no
+``--api-server-count``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def main() -> None:
+    import vllm.entrypoints.openai.api_server as api_server
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    from vime_rollout.vllm_ext.compact_generate import attach
+
+    build_app = api_server.build_app
+
+    def build_app_with_compact_route(*args: Any, **kwargs: Any) -> Any:
+        return attach(build_app(*args, **kwargs))
+
+    api_server.build_app = build_app_with_compact_route
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
