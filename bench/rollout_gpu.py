@@ -285,7 +285,10 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, e
             "rounds": rows,
         }
         if compact is not None:
-            summary[name] |= {"direct_compact_tps": round(compact), "compact_over_vllm_route": round(compact / d, 4)}
+            summary[name] |= {
+                "direct_compact_tps": round(compact),
+                "compact_over_vllm_route": round(compact / d, 4),
+            }
         console.print(f"{name}: median gap to direct by part (s): {gaps}")
     console.print(table)
     if {"logprobs", "no_logprobs"} <= set(summary):

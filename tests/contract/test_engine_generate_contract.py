@@ -81,7 +81,9 @@ async def test_the_compact_route_reads_as_vllms_own(engine: EngineClient, eut: E
     assert compact["request_id"].startswith("generate-tokens-") and compact["model"] == eut.served_name
 
     bare = {k: v for k, v in sp.items() if k not in ("logprobs", "flat_logprobs")}
-    out = await engine.request("POST", COMPACT_GENERATE_PATH, json={"token_ids": PROMPT, "sampling_params": bare})
+    out = await engine.request(
+        "POST", COMPACT_GENERATE_PATH, json={"token_ids": PROMPT, "sampling_params": bare}
+    )
     assert out["choices"][0]["logprobs"] is None
     refused = await engine.send("POST", COMPACT_GENERATE_PATH, json={})
     assert 400 <= refused.status_code < 500 and refused.status_code != 404
