@@ -224,3 +224,31 @@ def test_wire_helpers() -> None:
     assert normalize_wake_tags(None) is None
     assert engine_request_id("abc") == "generate-tokens-abc"
     assert engine_request_id("generate-tokens-abc") == "generate-tokens-abc"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "serves"),
+    [
+        (404, {"detail": "Not Found"}, False),  # a plain `vllm serve`
+        (200, V026_GENERATE, False),  # vLLM's own reply shape on that path: not the compact one
+        (500, {"error": {"message": "boom"}}, False),  # a route that breaks is not used
+        (
+            200,
+            {"choices": [{"index": 0, "token_ids": [3], "logprobs": [-1.0], "finish_reason": "length"}]},
+            True,
+        ),
+    ],
+)
+async def test_the_compact_route_is_used_only_where_it_answers_in_the_compact_form(
+    status: int, body: dict[str, Any], serves: bool
+) -> None:
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/vime/v1/generate"
+        sent.append(json.loads(request.content))
+        return httpx.Response(status, json=body)
+
+    async with _client(handler) as client:
+        assert await client.serves_compact_generate() is serves
+    assert sent[0]["sampling_params"]["max_tokens"] == 1 and sent[0]["sampling_params"]["logprobs"] == 0

@@ -11,13 +11,22 @@ message, whichever of vLLM's error shapes it used.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 from vime.clients.base import ServiceCallError, ServiceClient
 from vime.wire.engine import EngineVersion, PauseMode, logprobs_mode_in
 from vime.wire.engine_metrics import FINISHED, metric_sum
-from vime.wire.vllm import COMPACT_GENERATE_PATH, GENERATE_PATH, GenerateResult, parse_generate_response
+from vime.wire.vllm import (
+    COMPACT_GENERATE_PATH,
+    GENERATE_PATH,
+    GenerateResult,
+    build_sampling_params,
+    parse_generate_response,
+)
+
+log = logging.getLogger("vime.engine")
 
 DEFAULT_GENERATE_TIMEOUT_S = 1800.0
 """Long enough for a 1024-token generation queued behind hundreds of others."""
@@ -183,11 +192,31 @@ class EngineClient(ServiceClient):
         return metric_sum(response.content, FINISHED) if response.status_code == 200 else None
 
     async def serves_compact_generate(self) -> bool:
-        """Whether the engine has vime's compact generate route (`COMPACT_GENERATE_PATH`: the engines
-        vime starts do, a plain ``vllm serve`` does not): an empty body there is refused as a bad
-        request by the route, and answered 404 where there is none."""
-        response = await self.send("POST", COMPACT_GENERATE_PATH, json={}, idempotent=True)
-        return response.status_code != 404
+        """Whether the engine answers vime's compact generate route (`COMPACT_GENERATE_PATH`: the
+        engines vime starts do, a plain ``vllm serve`` answers 404): one token asked for there, with
+        its log-prob, must come back in the compact form."""
+        probe = build_sampling_params(
+            max_new_tokens=1, temperature=1.0, top_p=1.0, logprobs=0, detokenize=False
+        )
+        response = await self.send(
+            "POST", COMPACT_GENERATE_PATH, json={"token_ids": [0], "sampling_params": probe}, idempotent=True
+        )
+        if response.status_code == 404:
+            return False
+        try:
+            reply = response.json()
+            choice = reply["choices"][0]
+            result = parse_generate_response(reply)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning(
+                "%s: its compact generate route answered %s, %s", self.base_url, response.status_code, exc
+            )
+            return False
+        return (
+            isinstance(choice.get("logprobs"), list)
+            and result.log_probs is not None
+            and len(result.token_ids) == 1
+        )
 
     async def logprobs_mode(self) -> str | None:
         """The engine's ``--logprobs-mode`` from vLLM's dev-mode ``GET /server_info`` (None: not said)."""

@@ -3,11 +3,13 @@
 vLLM's own command line, unchanged, except that the app its API server builds also serves
 `compact_generate` (``build_app`` is wrapped before vLLM's CLI runs; vLLM looks it up when it
 serves). That reaches the one API server process each engine vime starts has (no
-``--api-server-count``).
+``--api-server-count``). A vLLM whose internals the route cannot import serves without it, and
+the rollout manager, which checks each engine for the route at start, posts to vLLM's own.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -15,8 +17,14 @@ def main() -> None:
     import vllm.entrypoints.openai.api_server as api_server
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    from vime_rollout.vllm_ext.compact_generate import attach
-
+    try:
+        from vime_rollout.vllm_ext.compact_generate import attach
+    except (
+        ImportError
+    ) as exc:  # another vLLM's internals: serve without it (the manager then uses vLLM's route)
+        logging.getLogger("vime.engine").warning("no compact generate route on this vLLM: %s", exc)
+        vllm_main()
+        return
     build_app = api_server.build_app
 
     def build_app_with_compact_route(*args: Any, **kwargs: Any) -> Any:
