@@ -171,10 +171,11 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_rollout",
-            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (the seed's and the manager's form), the gap by part",
-            # four rounds: on 12-06 the order moved the ratio by 3-13 points between two rounds
+            "256 samples × 1024 tokens through rollout manager + router vs straight to vLLM, ± log-probs (direct also on the compact route), the gap by part",
+            # three rounds (the order moved the ratio by 3-13 points between two rounds on 12-06; four
+            # rounds ran out of 480 s on a slow H100), each with log-probs also on the compact route
             _args("bench/rollout_gpu.py --engine vllm --size qwen3-0.6b --samples 256 --max-tokens 1024")
-            + _args("--rounds 4"),
+            + _args("--rounds 3"),
             _args("bench/rollout_gpu.py --engine reference --size micro --samples 16 --max-tokens 16"),
             timeout_s=590,
             expect_s=500,  # vLLM's start 76-111 s, then 63-95 s a round on an H100 (4 rounds ran out of 480 s)
