@@ -146,12 +146,12 @@ STEPS: dict[str, Step] = {
             "bench_step_resident",
             "bench_step's workload twice on one stack, engine.weight_load=direct: the default (the trainer's state offloaded while vLLM generates), then offload_train=false (it stays on the GPU)",
             _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args("--rollouts 3 --runs direct direct,offload_train=false")
+            + _args("--rollouts 2 --runs direct direct,offload_train=false")
             + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768"),
             _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
             + _args("--rollouts 2 --runs direct direct,offload_train=false"),
-            timeout_s=560,
-            expect_s=420,
+            timeout_s=480,
+            expect_s=360,
         ),
         Step(
             "bench_async_sync",
