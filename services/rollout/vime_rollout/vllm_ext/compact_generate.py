@@ -7,8 +7,9 @@ token's entry and a ``top_logprobs`` entry repeating it), then ``model_dump`` an
 rollout, while replies wait. This route takes the same request and hands it to the same
 ``ServingTokens.serve_tokens`` (model check, request id, prompt rendering, ``max_tokens`` default,
 pause and abort, the engine call), so only the reply differs: `compact_choice`, each choice's
-sampled-token log-probs read straight from vLLM's flat lists as one list of floats. The request's
-``output_kind`` is set to ``FINAL_ONLY`` (one output per request, when it ends).
+sampled-token log-probs read straight from vLLM's flat lists as one list of floats
+(`compact_reply`). The request's ``output_kind`` is set to ``FINAL_ONLY`` (one output per request,
+when it ends).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,32 +26,11 @@ from vllm.entrypoints.openai.engine.protocol import ErrorResponse
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
 from vllm.entrypoints.serve.utils.api_utils import load_aware_call, validate_json_request, with_cancellation
-from vllm.logprobs import FlatLogprobs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
-from vime.wire.vllm import COMPACT_GENERATE_PATH, LOGPROB_SENTINEL, compact_choice
-
-
-def sampled_log_probs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
-    """The sampled token's log-prob at each position: the first entry of each position in vLLM's
-    flat lists (its sampler puts the sampled token first), or its entry in a per-position dict;
-    ``LOGPROB_SENTINEL`` where the position has none (as vLLM's own reply)."""
-    if isinstance(logprobs, FlatLogprobs):
-        values, starts, ends, ids = (
-            logprobs.logprobs,
-            logprobs.start_indices,
-            logprobs.end_indices,
-            logprobs.token_ids,
-        )
-        return [
-            values[a] if a < b and ids[a] == t else LOGPROB_SENTINEL
-            for a, b, t in zip(starts, ends, token_ids, strict=False)
-        ]
-    return [
-        position[t].logprob if position and t in position else LOGPROB_SENTINEL
-        for position, t in zip(logprobs, token_ids, strict=False)
-    ]
+from vime.wire.vllm import COMPACT_GENERATE_PATH
+from vime_rollout.vllm_ext.compact_reply import compact_reply
 
 
 class CompactServingTokens(ServingTokens):
@@ -71,27 +51,7 @@ class CompactServingTokens(ServingTokens):
         except asyncio.CancelledError:
             return self.create_error_response("Client disconnected")
         assert final is not None and final.prompt_token_ids is not None
-        wanted = request.sampling_params.logprobs is not None
-        choices = []
-        for o in final.outputs:
-            tokens = list(o.token_ids)
-            log_probs = sampled_log_probs(o.logprobs, tokens) if wanted and o.logprobs is not None else None
-            if wanted and log_probs is None:
-                log_probs = [LOGPROB_SENTINEL] * len(tokens)
-            choices.append(compact_choice(o.index, tokens, log_probs, o.finish_reason))
-        prompt = len(final.prompt_token_ids)
-        completion = sum(len(c["token_ids"]) for c in choices)
-        return {
-            "request_id": request_id,
-            "model": model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
-            },
-        }
+        return compact_reply(final, request_id, model_name, request.sampling_params.logprobs is not None)
 
 
 def _serving(app_state: Any) -> CompactServingTokens:
