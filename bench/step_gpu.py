@@ -318,6 +318,8 @@ COMPARED = (
     "trainer_sleep_s",
     "trainer_freed_gib",
     "trainer_peak_gib",
+    "trainer_peak_reserved_gib",
+    "trainer_alloc_retries",
     "trainer_asleep_reserved_gib",
     "weight_sync",
     "pause_to_resume_s",

@@ -44,6 +44,7 @@ class TrainRank:
         self._ready = False
         self._reader: ShareReader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._retries_at_wake = 0
 
     # --- start-up (seed step 3) -------------------------------------------------------------
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
@@ -176,10 +177,17 @@ class TrainRank:
         """Free accelerator memory (parameters, grads, optimizer state). ``offload=False`` keeps the
         optimizer's state on the GPU (`Offloader.sleep`) and refuses to when it would not leave the
         engines their ``engine.gpu_memory_utilization``. Returns GiB: freed, and on the GPU the
-        peak allocated since the wake-up and what stays reserved while asleep."""
+        peak allocated and reserved since the wake-up, what stays reserved while asleep, and how
+        often the allocator, out of room, freed its cache and tried again (``alloc_retries``: each
+        one a device-wide wait)."""
         gib = float(1 << 30)
         cuda = self.info.device.startswith("cuda")
-        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        if cuda:
+            awake = {
+                "peak_gib": torch.cuda.max_memory_allocated() / gib,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib,
+                "alloc_retries": float(_alloc_retries() - self._retries_at_wake),
+            }
         freed = {"freed_gib": self.offloader.sleep(offload) / gib}
         if not cuda:
             return freed
@@ -187,12 +195,13 @@ class TrainRank:
             from vime_trainer.megatron.memory import check_room_for_engines
 
             check_room_for_engines(self.info.device, self.config.engine.gpu_memory_utilization)
-        return freed | {"peak_gib": peak / gib, "asleep_reserved_gib": torch.cuda.memory_reserved() / gib}
+        return freed | awake | {"asleep_reserved_gib": torch.cuda.memory_reserved() / gib}
 
     def wake_up(self) -> None:
         self.offloader.wake_up()
         if self.info.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()  # the next sleep reports this step's peak
+            self._retries_at_wake = _alloc_retries()
 
     @property
     def asleep(self) -> bool:
@@ -301,3 +310,8 @@ class TrainRank:
         if self._ready:
             shutdown_rank()
             self._ready = False
+
+
+def _alloc_retries() -> int:
+    """The caching allocator's count of allocations that found no room, freed its cache and retried."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
