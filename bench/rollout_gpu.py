@@ -19,7 +19,8 @@ need) and without — the same requests (the manager's own request builder, seed
   and its extra time over the direct round, part by part (`gpu_common.gap_parts`, from the
   rollout's own ``rollout/t_*`` metrics).
 
-After a warm-up (the whole batch once, 32 tokens each, and one evaluation rollout), ``--rounds``
+After a warm-up (the whole batch once, 32 tokens each, and one evaluation rollout as wide as the
+batch), ``--rounds``
 rounds of both (default 2), the order swapped every round (odd rounds: manager first), so that
 neither side always runs on the colder engine; the medians are reported (one round on the H100
 on 12-06 had the manager 1.24× the direct round with log-probs, which order alone can do).
@@ -315,7 +316,9 @@ def main() -> None:
     gpu = args.engine == "vllm"
     model = bench_model(work / "model", args.size, gpu=gpu, weights=not gpu)
     write_prompts(work / "prompts.jsonl", args.samples // N, PROMPT_LEN)
-    write_prompts(work / "warmup.jsonl", 4, PROMPT_LEN, seed=1)
+    # the manager's warm-up as wide as a timed round: on 12-06 its first timed rollout after a
+    # 32-request warm-up spread its sends over 0.31 s (0.05 s in later rounds) and lost ~1 s
+    write_prompts(work / "warmup.jsonl", args.samples // N, PROMPT_LEN, seed=1)
     cfg = engine_config(args, procs.free_port())
     t0 = time.monotonic()
     child, url = start_engine(cfg, model, "bench", work / "logs")

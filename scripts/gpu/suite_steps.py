@@ -239,7 +239,9 @@ step of a call goes first, so a call cut short loses the least. Later on 12-06 (
 ``train_kernels megatron bench_train`` 284 s (six 0.6B variants), ``bench_step`` 305 s,
 ``bench_rollout`` 254 s (two rounds, the order swapped). Fifth 12-06 session (H100): ``megatron``
 125 s, ``bench_step_resident`` over 300 s (two rollouts, vLLM's start 152 s on a cold machine),
-``bench_step`` 374 s, ``bench_rollout`` past 480 s (four rounds at ~95 s each)."""
+``bench_step`` 374 s, ``bench_rollout`` past 480 s (four rounds at ~95 s each). Sixth (H100,
+half the device time lost to machines that did not start): ``install`` + ``bench_rollout`` 355 s
+(three rounds, vLLM's start 95 s), ``bench_step_resident`` 302 s (two runs of two rollouts)."""
 
 
 class SelectionError(ValueError):
