@@ -43,14 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from gpu_common import bench_model, console, direct_round, emit, manager_payloads, write_prompts
 from rich.table import Table
 
 from vime import procs
 from vime.clients.rollout import RolloutClient
 from vime.clients.trainer import TrainerClient
-from vime.config import RunConfig, load_config
+from vime.config import ConfigError, RunConfig, load_config, parse_overrides
 from vime.launch.signals import SignalLatch
 from vime.launch.stack import plan_stack
 from vime.launch.supervisor import Supervisor
@@ -183,15 +182,16 @@ async def compare_rollout(cfg: RunConfig, model: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of the bench: how its pushes load weights, and other per-run overrides."""
+    """One run of the bench: how its pushes load weights, and other per-run overrides (``KEY=VALUE``,
+    as ``--set`` takes them)."""
 
     weight_load: str
-    overrides: dict[str, Any]
+    overrides: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         """The run's name in the results and its run id: ``direct``, ``direct-offload_train-false``."""
-        extra = "-".join(f"{k.replace('.', '_')}-{v}" for k, v in self.overrides.items())
+        extra = "-".join(p.replace(".", "_").replace("=", "-") for p in self.overrides)
         return f"{self.weight_load}-{extra}".lower() if extra else self.weight_load
 
     @classmethod
@@ -199,25 +199,18 @@ class RunSpec:
         weight_load, *pairs = text.split(",")
         if weight_load not in ("vllm", "direct"):
             raise argparse.ArgumentTypeError(f"{text!r}: starts with vllm or direct")
-        overrides: dict[str, Any] = {}
-        for pair in pairs:
-            key, sep, value = pair.partition("=")
-            if not sep:
-                raise argparse.ArgumentTypeError(f"{pair!r} in {text!r} is not KEY=VALUE")
-            overrides[key] = yaml.safe_load(value)
-        return cls(weight_load, overrides)
+        spec = cls(weight_load, tuple(pairs))
+        try:
+            spec.request(0, 1)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        return spec
 
     def request(self, first: int, rollouts: int) -> dict[str, Any]:
         """The run request's config: these settings, from rollout id ``first`` (a later run continues
         the ids, so the rollout manager publishes new batches for it)."""
-        out: dict[str, Any] = {"engine": {"weight_load": self.weight_load}}
-        for key, value in self.overrides.items():
-            *sections, leaf = key.split(".")
-            node = out
-            for section in sections:
-                node = node.setdefault(section, {})
-            node[leaf] = value
-        return out | {"start_rollout_id": first, "num_rollout": first + rollouts}
+        config = parse_overrides([f"engine.weight_load={self.weight_load}", *self.overrides])
+        return config | {"start_rollout_id": first, "num_rollout": first + rollouts}
 
 
 async def run(

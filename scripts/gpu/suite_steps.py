@@ -68,6 +68,15 @@ TRAIN_VARIANTS_CPU = [
 ]
 
 
+_STEP_GPU = _args(
+    "bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024 --rollouts 2"
+) + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768")
+"""bench_step's workload (packed 32k budgets), two rollouts a run; ``--runs`` says which runs."""
+_STEP_CPU = _args(
+    "bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16 --rollouts 2"
+)
+"""Its CPU stand-in."""
+
 _ASYNC_RESULTS = "--results /tmp/vime-bench-async.json"
 """Where bench_async_sync leaves its result for bench_async, a later call on the same machine."""
 _ASYNC_GPU = _args(
@@ -134,22 +143,16 @@ STEPS: dict[str, Step] = {
         Step(
             "bench_step",
             "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts, one run with engine.weight_load=direct then one with vllm",
-            _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args("--rollouts 2 --runs direct vllm")
-            + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768"),
-            _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
-            + _args("--rollouts 2 --runs direct vllm"),
+            _STEP_GPU + _args("--runs direct vllm"),
+            _STEP_CPU + _args("--runs direct vllm"),
             timeout_s=480,
             expect_s=340,
         ),
         Step(
             "bench_step_resident",
             "bench_step's workload twice on one stack, engine.weight_load=direct: the default (the trainer's state offloaded while vLLM generates), then offload_train=false (it stays on the GPU)",
-            _args("bench/step_gpu.py --engine vllm --size qwen3-0.6b --prompts 32 --n 8 --response-len 1024")
-            + _args("--rollouts 2 --runs direct direct,offload_train=false")
-            + _args(f"--set {_PACKED} --set max_tokens_per_gpu=32768"),
-            _args("bench/step_gpu.py --engine reference --size micro --prompts 4 --n 4 --response-len 16")
-            + _args("--rollouts 2 --runs direct direct,offload_train=false"),
+            _STEP_GPU + _args("--runs direct direct,offload_train=false"),
+            _STEP_CPU + _args("--runs direct direct,offload_train=false"),
             timeout_s=480,
             expect_s=360,
         ),
