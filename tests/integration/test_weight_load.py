@@ -252,3 +252,70 @@ def test_a_restarted_engine_is_opened_again_before_the_pause(
     assert updates % 3 == 0 and updates // 3 > 2  # several buckets a push: both staging buffers in turn
     assert httpx.get(url + "/weight_info").json() == {"weight_version": "7"}
     assert tokens  # still generating after three direct pushes
+
+
+class RecordingRanks(LocalRanks):
+    """Records when the push's first bucket is packed, among the engine calls `SlowPause` records."""
+
+    def __init__(self, *args: Any, log: list[str]) -> None:
+        super().__init__(*args)
+        self.log = log
+
+    def next(self, slot: int) -> list[dict[str, Any] | None]:
+        out = super().next(slot)
+        if out[0] is not None and out[0]["index"] == 0:
+            self.log.append("packed bucket 0")
+        return out
+
+
+def slow_pause(log: list[str], fail: bool = False) -> Any:
+    """An engine client factory whose ``/pause`` takes 0.3 s (or fails after it)."""
+    from vime.clients.base import ServiceCallError
+    from vime.clients.engine import EngineClient
+
+    class SlowPause(EngineClient):
+        async def pause(self, *args: Any, **kwargs: Any) -> None:
+            log.append("pause sent")
+            await asyncio.sleep(0.3)
+            if fail:
+                raise ServiceCallError(500, "pause failed")
+            await super().pause(*args, **kwargs)
+            log.append("paused")
+
+    return lambda url: SlowPause(url)
+
+
+def test_the_first_bucket_is_packed_while_the_engines_pause(
+    engines: dict[str, str], hf_weights: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    url = engines["direct"]
+    log: list[str] = []
+    ranks = RecordingRanks(hf_weights, tmp_path, log=log)
+    sync = DirectSync(ranks, Unused(), bucket_bytes=32 << 10, client_factory=slow_pause(log))
+    try:
+        report = asyncio.run(sync.push([info(url)], 8, flush=True))
+        assert log.index("pause sent") < log.index("packed bucket 0") < log.index("paused")
+        assert report.buckets > 2 and httpx.get(url + "/weight_info").json() == {"weight_version": "8"}
+    finally:
+        asyncio.run(sync.aclose())
+
+
+def test_a_failed_pause_drops_the_packed_bucket_and_the_next_push_loads_everything(
+    engines: dict[str, str], hf_weights: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    url = engines["direct"]
+    log: list[str] = []
+    ranks = RecordingRanks(hf_weights, tmp_path, log=log)
+    sync = DirectSync(ranks, Unused(), bucket_bytes=32 << 10, client_factory=slow_pause(log, fail=True))
+    try:
+        with pytest.raises(WeightSyncError, match="pause"):
+            asyncio.run(sync.push([info(url)], 9, flush=True))
+        assert log == ["pause sent", "packed bucket 0"] and ranks._open().stream is None  # ended
+        sync.client_factory = slow_pause(log)
+        report = asyncio.run(sync.push([info(url)], 10, flush=True))
+        assert log.count("packed bucket 0") == 2 and httpx.get(url + "/weight_info").json() == {
+            "weight_version": "10"
+        }
+        assert report.nbytes == sum(t.numel() * t.element_size() for t in hf_weights.values())
+    finally:
+        asyncio.run(sync.aclose())

@@ -1,15 +1,11 @@
-"""The compact generate route's reply and its launcher, without vLLM (fakes with vLLM 0.26's field names)."""
+"""The compact generate route's reply, without vLLM (fakes with vLLM 0.26's field names)."""
 
 from __future__ import annotations
 
 import json
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-from vime_rollout.vllm_ext import serve
 from vime_rollout.vllm_ext.compact_reply import compact_reply, sampled_log_probs
 
 from vime.wire.vllm import LOGPROB_SENTINEL, parse_generate_response
@@ -79,41 +75,3 @@ def test_the_reply_parses_as_vllms_with_the_same_tokens_log_probs_and_usage() ->
     assert body["request_id"] == "generate-tokens-x" and body["model"] == "m"
     bare = compact_reply(final, "r", "m", False)
     assert [c["logprobs"] for c in bare["choices"]] == [None, None]
-
-
-def _fake_vllm(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> types.ModuleType:
-    """vLLM's two modules the launcher touches: the API server's ``build_app`` and the CLI's ``main``."""
-    api_server = types.ModuleType("vllm.entrypoints.openai.api_server")
-    api_server.build_app = lambda *a, **k: calls.append("build_app") or "app"  # type: ignore[attr-defined]
-    cli = types.ModuleType("vllm.entrypoints.cli.main")
-
-    def vllm_main() -> None:
-        calls.append(f"main:{api_server.build_app()}")  # type: ignore[attr-defined]
-
-    cli.main = vllm_main  # type: ignore[attr-defined]
-    for name in ("vllm", "vllm.entrypoints", "vllm.entrypoints.openai", "vllm.entrypoints.cli"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.api_server", api_server)
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", cli)
-    return api_server
-
-
-def test_the_launcher_adds_the_route_to_the_app_vllm_builds(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    _fake_vllm(monkeypatch, calls)
-    route = types.ModuleType("vime_rollout.vllm_ext.compact_generate")
-    route.attach = lambda app: calls.append(f"attach:{app}") or "app+route"  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vime_rollout.vllm_ext.compact_generate", route)
-    serve.main()
-    assert calls == ["build_app", "attach:app", "main:app+route"]
-
-
-def test_the_launcher_serves_without_the_route_where_it_cannot_be_imported(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    calls: list[str] = []
-    _fake_vllm(monkeypatch, calls)  # a vLLM without the serving classes the route reuses
-    monkeypatch.delitem(sys.modules, "vime_rollout.vllm_ext.compact_generate", raising=False)
-    serve.main()
-    assert calls == ["build_app", "main:app"]
-    assert "no compact generate route" in caplog.text

@@ -13,8 +13,8 @@ then, and the run keeps vLLM's loader from that push on, with a warning and a
 opened by each engine once per engine start (an engine whose pid or restart count changed is
 opened again before the next pause).
 
-Per push the trainer packs bucket k+1 into one buffer while the engines copy bucket k out of the
-other. Every engine returns the checksum of what its parameters hold after the copy; it must equal
+Per push the trainer packs the first bucket while the engines pause, then bucket k+1 into one
+buffer while the engines copy bucket k out of the other. Every engine returns the checksum of what its parameters hold after the copy; it must equal
 the trainer's checksum of what it packed, or the push fails and the engines stay paused — never
 serving weights that are not the trainer's. Engines that keep a weight-version label (vLLM ≥ 0.33,
 the reference engine) get it with ``/update_weight_version``.
@@ -281,24 +281,41 @@ class DirectSync(WeightSync):
         self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode
     ) -> PushReport:
         report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
+        # The first bucket is packed while the engines pause: only the trainer's buffer is written.
+        first = asyncio.ensure_future(asyncio.to_thread(self._begin))
+        loading = False
 
         async def load(clients: dict[str, EngineClient], engines: Sequence[EngineInfo]) -> None:
-            await self._load(report, engines, clients)
+            nonlocal loading
+            loading = True
+            await self._load(report, engines, clients, first)
             labelled = {u: c for u, c in clients.items() if self.labels.get(u)}
             if labelled:
                 await self._phase(report, "label", labelled, lambda c: _label(c, version), version=version)
 
-        return await self._framed(report, engines, mode, load)
+        try:
+            return await self._framed(report, engines, mode, load)
+        finally:
+            if not loading:  # the pause failed: the packed bucket is dropped
+                await asyncio.gather(first, return_exceptions=True)
+                await asyncio.to_thread(self.ranks.end)
+
+    def _begin(self) -> list[dict[str, Any] | None]:
+        """Start the push's bucket stream on every rank and pack its first bucket into slot 0."""
+        self.ranks.begin()
+        return self.ranks.next(0)
 
     async def _load(
-        self, report: PushReport, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]
+        self,
+        report: PushReport,
+        engines: Sequence[EngineInfo],
+        clients: dict[str, EngineClient],
+        first: asyncio.Future[list[dict[str, Any] | None]],
     ) -> None:
-        """Every bucket into every engine; bucket k+1 is packed while k is copied (two buffers)."""
+        """Every bucket into every engine, from ``first`` (slot 0) on; bucket k+1 is packed while k
+        is copied (two buffers)."""
         t0 = time.perf_counter()
-        await asyncio.to_thread(self.ranks.begin)
-        packing: asyncio.Future[list[dict[str, Any] | None]] | None = asyncio.ensure_future(
-            asyncio.to_thread(self.ranks.next, 0)
-        )
+        packing: asyncio.Future[list[dict[str, Any] | None]] | None = first
         slot = 0
         try:
             while packing is not None:
