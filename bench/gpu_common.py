@@ -23,6 +23,7 @@ import json
 import random
 import statistics
 import string
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from rich.table import Table
 from vime import procs
 from vime.config import RunConfig
 from vime.models.tiny import TinyShape, build_tiny_qwen3, num_parameters
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support (`timed_steps`)
 
 console = Console(width=160)  # logs on the GPU machine are files: no terminal width
 LOGIT_SCALE = 5.0

@@ -71,7 +71,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", default="small", choices=[*SHAPES, *QWEN3_SHAPES])
     p.add_argument("--engines", type=int, default=2, help="shm: reference engines")
     p.add_argument(
-        "--weight-loads", nargs="+", default=list(KINDS), choices=KINDS, help="engine.weight_load values"
+        "--weight-loads",
+        nargs="+",
+        default=list(KINDS),
+        help="engine.weight_load values, each KIND or KIND@MB (its own trainer.packed_buffer_size_bytes)",
     )
     p.add_argument("--rounds", type=int, default=3, help="pushes of each kind from the awake trainer")
     p.add_argument("--cpu-rounds", type=int, default=0, help="ipc: pushes of each kind from the CPU backup")
@@ -89,6 +92,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.bucket_mb is None:
         args.bucket_mb = 1024 if args.transport == "ipc" else 64
+    for spec in args.weight_loads:
+        kind, _, mb = spec.partition("@")
+        if kind not in KINDS or (mb and not mb.isdigit()):
+            p.error(f"--weight-loads {spec}: KIND or KIND@MB with KIND one of {', '.join(KINDS)}")
     return args
 
 
@@ -129,8 +136,13 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
     )
 
 
-def with_weight_load(cfg: RunConfig, kind: str) -> RunConfig:
-    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"weight_load": kind})})
+def with_weight_load(cfg: RunConfig, spec: str) -> RunConfig:
+    """``cfg`` with the spec's ``engine.weight_load`` (and bucket size, for ``KIND@MB``)."""
+    kind, _, mb = spec.partition("@")
+    trainer = cfg.trainer.model_copy(update={"packed_buffer_size_bytes": int(mb) << 20}) if mb else cfg.trainer
+    return cfg.model_copy(
+        update={"engine": cfg.engine.model_copy(update={"weight_load": kind}), "trainer": trainer}
+    )
 
 
 # --- what runs inside the trainer's rank ----------------------------------------------------------
@@ -246,9 +258,13 @@ async def colocated_push(
 
 class Rounds:
     """Pushes through `make_weight_sync`, each checked (stale before, greedy agreement after) and
-    timed against its baseline; a failed round is recorded, never raised."""
+    timed against its baseline; a failed round is recorded, never raised. An engine holds one
+    direct-load session at a time: switching between ``direct`` specs closes the previous one's
+    (its buffers are opened again, outside the timed push, when it next pushes)."""
 
-    def __init__(self, cfg: RunConfig, group: Any, engines: list[EngineInfo], gpu: bool) -> None:
+    def __init__(
+        self, cfg: RunConfig, group: Any, engines: list[EngineInfo], gpu: bool, specs: list[str]
+    ) -> None:
         from vime_trainer.weight_sync import make_weight_sync
 
         self.group, self.engines, self.gpu = group, engines, gpu
@@ -256,8 +272,10 @@ class Rounds:
         self.problems: list[str] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.syncs = {
-            kind: make_weight_sync(with_weight_load(cfg, kind), group, on_event=self._event) for kind in KINDS
+            spec: make_weight_sync(with_weight_load(cfg, spec), group, on_event=self._event) for spec in specs
         }
+        self.direct: str | None = None
+        """The direct spec whose session the engines hold."""
         self.d2d: dict[str, float] | None = None
         self.tmpfs_s: float | None = None
 
@@ -276,28 +294,33 @@ class Rounds:
             console.print(f"[red]✗ {label} {kind} push {self.version} failed: {error}[/]")
             return {"kind": kind, "version": self.version, "error": error}
 
-    def _one(self, kind: str, trainer_sleeps: bool) -> dict[str, Any]:
+    def _one(self, spec: str, trainer_sleeps: bool) -> dict[str, Any]:
         from vime_trainer.weight_sync.ipc import call_on_ranks
 
+        kind = spec.partition("@")[0]
+        if kind == "direct" and self.direct not in (None, spec):
+            asyncio.run(self.syncs[self.direct].aclose())
+        if kind == "direct":
+            self.direct = spec
         self.version += 1
         call_on_ranks(self.group, flip_final_norm)
         stale = not self.agree()
         if not stale:
-            self.problems.append(f"{kind} push {self.version}: the engines agreed before the push")
+            self.problems.append(f"{spec} push {self.version}: the engines agreed before the push")
         rep, wakes = asyncio.run(
-            colocated_push(self.syncs[kind], self.group, self.engines, self.version, trainer_sleeps)
+            colocated_push(self.syncs[spec], self.group, self.engines, self.version, trainer_sleeps)
         )
         if trainer_sleeps:  # seed step 37: the comparison (and the next round) runs the trainer's forward
             self.group.wake_up()
         agrees = self.agree()
         if not agrees:
             self.problems.append(
-                f"{kind} push {self.version}: after the push an engine disagrees with the trainer"
+                f"{spec} push {self.version}: after the push an engine disagrees with the trainer"
             )
         if rep.weight_load != kind:
-            self.problems.append(f"{kind} push {self.version}: loaded by {rep.weight_load} (refused?)")
+            self.problems.append(f"{spec} push {self.version}: loaded by {rep.weight_load} (refused?)")
         extra = {
-            "kind": kind,
+            "kind": spec,
             "weight_load": rep.weight_load,
             "engine_was_stale": stale,
             "greedy_agrees": agrees,
@@ -352,8 +375,10 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
             sync_table(f"{kind}: push {label.replace('_', ' ')} vs baseline", done[kind])
             out.setdefault(kind, {})[label] = sync_summary(done[kind])
         medians = {k: out[k][label].get("median_sync_s") for k in kinds}
-        if medians.get("vllm") and medians.get("direct"):
-            out.setdefault("direct_over_vllm", {})[label] = round(medians["direct"] / medians["vllm"], 3)
+        for spec in kinds:
+            if spec != "vllm" and medians.get("vllm") and medians.get(spec):
+                ratio = round(medians[spec] / medians["vllm"], 3)
+                out.setdefault(f"{spec}_over_vllm", {})[label] = ratio
     opened = [d for a, d in rounds.events if a == "weights.direct_open"]
     out["direct_open_s"] = [d.get("seconds") for d in opened]
     out["direct_refused"] = [d.get("reason") for a, d in rounds.events if a == "weights.direct_refused"]
@@ -436,7 +461,7 @@ def run(args: argparse.Namespace, work: Path, out: dict[str, Any]) -> list[str]:
             t0 = time.monotonic()
             group.start()
             out["trainer_start_s"] = round(time.monotonic() - t0, 1)
-            rounds = Rounds(cfg, group, engines, gpu)
+            rounds = Rounds(cfg, group, engines, gpu, args.weight_loads)
             try:
                 measure(args, rounds, out)
             finally:

@@ -132,11 +132,15 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync",
-            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm and direct alternating, vs D2D/H2D copies; 4B train-step MFU",
+            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm, direct in one 8.8 GB staging buffer (direct@4608) and direct in 1 GiB buckets alternating, vs D2D/H2D copies; 4B train-step MFU",
             _args(
                 "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 1 --train-steps 2"
+                " --weight-loads vllm direct@4608 direct"
             ),
-            _args("bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2 --train-steps 1"),
+            _args(
+                "bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2 --train-steps 1"
+                " --weight-loads vllm direct@1 direct"
+            ),
             timeout_s=400,
             expect_s=220,
         ),

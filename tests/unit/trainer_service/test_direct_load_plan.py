@@ -17,7 +17,7 @@ from vime_trainer.weight_sync.direct_plan import DirectLoadRefused, DirectPlan, 
 from vime_trainer.weight_sync.direct_rank import DirectExporter
 
 from vime.models.tiny import build_tiny_qwen3
-from vime.wire.direct_load import ALIGN, checksum, encode_load, encode_open
+from vime.wire.direct_load import ALIGN, aligned, checksum, encode_load, encode_open
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -94,8 +94,9 @@ def test_a_push_through_staging_buffers_fills_every_fused_parameter_exactly(
     worker = worker_for(model)
     plan = DirectPlan.from_layout(worker.vime_direct_layout()["params"])
     plan.check_export(spec_of(hf_weights))
-    size = plan.buffer_bytes(64 << 10)
-    exporter = DirectExporter(plan, size, 2, "shm", share=True, directory=tmp_path)
+    slots, size = plan.staging(64 << 10)
+    assert slots == 2
+    exporter = DirectExporter(plan, size, slots, "shm", share=True, directory=tmp_path)
     worker.vime_direct_open(encode_open("s1", exporter.specs))
     exporter.begin(shuffled_within_layers(hf_weights))
     buckets, slot = 0, 0
@@ -112,6 +113,20 @@ def test_a_push_through_staging_buffers_fills_every_fused_parameter_exactly(
         worker.vime_direct_load(encode_load("other", 0, 0, []))
 
 
+def test_a_model_that_fits_two_buckets_is_staged_in_one_buffer_its_size(
+    hf_weights: dict[str, torch.Tensor],
+) -> None:
+    """One call per push where two buffers would hold it all anyway; two buckets' worth otherwise."""
+    model, _ = vllm_like(hf_weights)
+    plan = DirectPlan.from_layout(worker_for(model).vime_direct_layout()["params"])
+    total = sum(aligned(p.nbytes) for p in plan.params.values())
+    largest = max(aligned(p.nbytes) for p in plan.params.values())
+    assert plan.staging(1 << 30) == (1, total)
+    assert plan.staging(-(-total // 2)) == (1, total)  # the model in exactly two buckets' memory
+    assert plan.staging(total // 2 - ALIGN) == (2, total // 2 - ALIGN)
+    assert plan.staging(ALIGN) == (2, largest)  # never smaller than the largest parameter
+
+
 def test_a_parameter_reallocated_since_the_open_is_recorded_again(
     hf_weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
@@ -119,7 +134,8 @@ def test_a_parameter_reallocated_since_the_open_is_recorded_again(
     model, expected = vllm_like(hf_weights)
     worker = worker_for(model)
     plan = DirectPlan.from_layout(worker.vime_direct_layout()["params"])
-    exporter = DirectExporter(plan, plan.buffer_bytes(1 << 30), 1, "shm", share=True, directory=tmp_path)
+    slots, size = plan.staging(1 << 30)
+    exporter = DirectExporter(plan, size, slots, "shm", share=True, directory=tmp_path)
     worker.vime_direct_open(encode_open("s", exporter.specs))
     head = dict(model.named_parameters())["lm_head.weight"]
     head.data = torch.zeros_like(head.data)  # new storage, as the reference engine's level-2 wake

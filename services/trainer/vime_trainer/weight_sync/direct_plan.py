@@ -86,10 +86,14 @@ class DirectPlan:
                     f"the engine's {p.name} has {p.nbytes} bytes, the trainer's {'+'.join(p.hf)} {nbytes}"
                 )
 
-    def buffer_bytes(self, bucket_bytes: int) -> int:
-        """A staging buffer's size: ``bucket_bytes``, no more than the whole model, no less than its largest parameter."""
+    def staging(self, bucket_bytes: int) -> tuple[int, int]:
+        """How many staging buffers, of how many bytes: one the whole model's size when that is no
+        more than two buckets (a push is one call per engine, in no more memory than two buffers to
+        alternate), else two of ``bucket_bytes`` (no less than the largest parameter)."""
         sizes = [aligned(p.nbytes) for p in self.params.values()]
-        return max(min(bucket_bytes, sum(sizes)), max(sizes))
+        if sum(sizes) <= 2 * bucket_bytes:
+            return 1, sum(sizes)
+        return 2, max(bucket_bytes, max(sizes))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, to send to the trainer ranks."""

@@ -217,8 +217,7 @@ class DirectSync(WeightSync):
             if self.plan is None:
                 plan = next(iter(plans.values()))
                 plan.check_export(await asyncio.to_thread(self.ranks.export_spec))
-                buffer_bytes = plan.buffer_bytes(self.bucket_bytes)
-                self.slots = 2 if sum(aligned(p.nbytes) for p in plan.params.values()) > buffer_bytes else 1
+                self.slots, buffer_bytes = plan.staging(self.bucket_bytes)
                 self.rank_buffers = await asyncio.to_thread(self.ranks.open, plan, buffer_bytes, self.slots)
                 self.plan = plan
             labels = await _gather("weight_info", {u: c.weight_version() for u, c in clients.items()})
@@ -371,7 +370,8 @@ class DirectSync(WeightSync):
                 )
 
     async def aclose(self) -> None:
-        """Engines drop the buffers, then the ranks free them (best effort: the run is ending)."""
+        """Engines drop the buffers, then the ranks free them (best effort: the run is ending); a
+        later push lays them out and opens them again."""
         if self.opened:
             clients = {url: self.client_factory(url) for url in self.opened}
             try:
@@ -386,6 +386,7 @@ class DirectSync(WeightSync):
                 await asyncio.to_thread(self.ranks.close)
             except Exception as exc:
                 log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
+            self.plan, self.rank_buffers = None, []
 
 
 async def _label(client: EngineClient, version: int) -> None:
