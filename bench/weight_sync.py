@@ -139,7 +139,9 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
 def with_weight_load(cfg: RunConfig, spec: str) -> RunConfig:
     """``cfg`` with the spec's ``engine.weight_load`` (and bucket size, for ``KIND@MB``)."""
     kind, _, mb = spec.partition("@")
-    trainer = cfg.trainer.model_copy(update={"packed_buffer_size_bytes": int(mb) << 20}) if mb else cfg.trainer
+    trainer = (
+        cfg.trainer.model_copy(update={"packed_buffer_size_bytes": int(mb) << 20}) if mb else cfg.trainer
+    )
     return cfg.model_copy(
         update={"engine": cfg.engine.model_copy(update={"weight_load": kind}), "trainer": trainer}
     )

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from vime.clients.base import ServiceCallError
 from vime.clients.engine import EngineClient
-from vime.wire.direct_load import CLOSE, EXTENSION, LAYOUT, LOAD, OPEN, aligned, encode_load, encode_open
+from vime.wire.direct_load import CLOSE, EXTENSION, LAYOUT, LOAD, OPEN, encode_load, encode_open
 from vime.wire.engine import PauseMode
 from vime.wire.rollout import EngineInfo
 from vime_trainer.weight_sync.direct_plan import DirectLoadRefused, DirectPlan
