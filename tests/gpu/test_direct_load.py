@@ -90,8 +90,9 @@ def test_two_pushes_through_buffers_opened_once(tmp_path: Path) -> None:
         assert layout["refusal"] is None
         plan = DirectPlan.from_layout(layout["params"])
         plan.check_export({n: (list(t.shape), "bfloat16") for n, t in hf.items()})
-        size = plan.buffer_bytes(256 << 10)
-        exporter = DirectExporter(plan, size, 2, "ipc" if gpu else "shm", share=True, directory=tmp_path)
+        slots, size = plan.staging(256 << 10)
+        assert slots == 2  # more than two buckets: both buffers in turn
+        exporter = DirectExporter(plan, size, slots, "ipc" if gpu else "shm", share=True, directory=tmp_path)
         assert call("vime_direct_open", encode_open("s", exporter.specs))["buffers"] == 2
         slots_used: set[int] = set()
         for push in range(2):
