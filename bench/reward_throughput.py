@@ -4,11 +4,16 @@ Baselines, measured in the same run on the same answers:
   * ``math-verify direct``: ``verify(parse(label), parse(response))`` in this process, one by one;
   * ``score_math in-process``: the service's own math function (boxed extraction + math-verify),
     called in this process: the work one worker does, without pool or HTTP.
-Through the service (a real ``python -m vime_reward`` process on a free port):
+Through the service (a real ``python -m vime_reward`` process on a free port), from one client
+made before timing (a new client's SSL context alone costs tens of milliseconds):
   * ``POST /v1/rewards``: the 256 answers as one batch;
   * ``POST /v1/reward`` ×256: one call per sample, all in flight together (what the rollout does).
 Each round uses fresh answers (math-verify caches parsed LaTeX), after a warm-up round.
-The ratio column is samples/s divided by the direct math-verify baseline's.
+The ratio column is samples/s divided by the first row's (the direct math-verify baseline's).
+
+A second table scores the same answers with ``exact_match`` (the last ``\\boxed{}`` against the
+label): a cheap function, so the service's per-sample overhead (pool tasks, pipes, HTTP) is what
+it measures, against ``score_exact_match`` called in this process.
 
     python bench/reward_throughput.py [--workers 2] [--rounds 3] [--samples 256]
 """
@@ -73,18 +78,51 @@ def score_math_in_process(answers: list[Answer]) -> list[float]:
     return [score_math(resp, label, opts).reward for resp, label in answers]
 
 
-async def via_batch(url: str, answers: list[Answer]) -> list[float]:
-    async with RewardClient(url) as client:
-        items = [{"response": r, "label": lab} for r, lab in answers]
-        return [r.reward for r in await client.score_batch(items, fn="math")]
+EXACT_OPTIONS = {"extract": "boxed"}
 
 
-async def via_singles(url: str, answers: list[Answer]) -> list[float]:
-    async with RewardClient(url) as client:
-        results = await asyncio.gather(
-            *(client.score({"response": r, "label": lab}, fn="math") for r, lab in answers)
-        )
-        return [r.reward for r in results]
+def exact_match_in_process(answers: list[Answer]) -> list[float]:
+    from vime_reward.functions.qa import ExactMatchOptions, score_exact_match
+
+    opts = ExactMatchOptions.model_validate(EXACT_OPTIONS)
+    return [score_exact_match(resp, label, opts).reward for resp, label in answers]
+
+
+async def via_batch(client: RewardClient, answers: list[Answer], fn: str = "math") -> list[float]:
+    options = EXACT_OPTIONS if fn == "exact_match" else {}
+    items = [{"response": r, "label": lab, "options": options} for r, lab in answers]
+    return [r.reward for r in await client.score_batch(items, fn=fn)]
+
+
+async def via_singles(client: RewardClient, answers: list[Answer], fn: str = "math") -> list[float]:
+    options = EXACT_OPTIONS if fn == "exact_match" else {}
+    results = await asyncio.gather(
+        *(client.score({"response": r, "label": lab, "options": options}, fn=fn) for r, lab in answers)
+    )
+    return [r.reward for r in results]
+
+
+class Service:
+    """Calls to the service from one event loop and client, made once: a new client costs tens of
+    milliseconds (its SSL context), which is no part of scoring."""
+
+    def __init__(self, url: str) -> None:
+        self.runner = asyncio.Runner()
+        self.client = self.runner.run(self._client(url))
+
+    @staticmethod
+    async def _client(url: str) -> RewardClient:
+        return RewardClient(url)
+
+    def batch(self, fn: str) -> Callable[[list[Answer]], list[float]]:
+        return lambda answers: self.runner.run(via_batch(self.client, answers, fn))
+
+    def singles(self, fn: str) -> Callable[[list[Answer]], list[float]]:
+        return lambda answers: self.runner.run(via_singles(self.client, answers, fn))
+
+    def close(self) -> None:
+        self.runner.run(self.client.aclose())
+        self.runner.close()
 
 
 def timed(fn: Callable[[list[Answer]], list[float]], rounds: list[list[Answer]]) -> tuple[float, list[float]]:
@@ -94,6 +132,35 @@ def timed(fn: Callable[[list[Answer]], list[float]], rounds: list[list[Answer]])
     for answers in rounds:
         rewards = fn(answers)
     return sum(len(r) for r in rounds) / (time.perf_counter() - start), rewards
+
+
+Contenders = dict[str, Callable[[list[Answer]], list[float]]]
+
+
+def measure(
+    contenders: Contenders, warm: list[Answer], rounds: list[list[Answer]], console: Console
+) -> tuple[dict[str, float], dict[str, float], list[float]]:
+    """(samples/s by name, share of rewards equal to the first contender's, its last-round rewards)."""
+    rates: dict[str, float] = {}
+    agree: dict[str, float] = {}
+    reference: list[float] = []
+    for name, fn in track(list(contenders.items()), description="measuring", console=console):
+        fn(warm)
+        rates[name], rewards = timed(fn, rounds)
+        reference = reference or rewards
+        agree[name] = sum(x == y for x, y in zip(rewards, reference, strict=True)) / len(rewards)
+    return rates, agree, reference
+
+
+def table(title: str, rates: dict[str, float], agree: dict[str, float]) -> Table:
+    """Samples/s per contender, as a ratio of the first one's, and how often their rewards agree."""
+    names = list(rates)
+    out = Table(title=title)
+    for col in ("path", "samples/s", f"ratio vs {names[0]}", "same rewards"):
+        out.add_column(col, justify="right" if col != "path" else "left")
+    for name, rate in rates.items():
+        out.add_row(name, f"{rate:,.0f}", f"{rate / rates[names[0]]:.2f}×", f"{agree[name]:.0%}")
+    return out
 
 
 def main() -> None:
@@ -107,6 +174,7 @@ def main() -> None:
     console = Console()
     warm = typical_answers(args.samples, seed=0)
     rounds = [typical_answers(args.samples, seed=1 + r) for r in range(args.rounds)]
+    workers = f"({args.workers} workers)"
 
     with tempfile.TemporaryDirectory() as tmp:
         port = procs.free_port()
@@ -117,36 +185,31 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             procs.wait_healthy(url, child, timeout_s=120)
-            contenders: dict[str, Callable[[list[Answer]], list[float]]] = {
+            service = Service(url)
+            math: Contenders = {
                 "math-verify direct (1 process)": direct_math_verify,
                 "score_math in-process": score_math_in_process,
-                f"service POST /v1/rewards ({args.workers} workers)": lambda a: asyncio.run(
-                    via_batch(url, a)
-                ),
-                f"service POST /v1/reward ×{args.samples} ({args.workers} workers)": lambda a: asyncio.run(
-                    via_singles(url, a)
-                ),
+                f"service POST /v1/rewards {workers}": service.batch("math"),
+                f"service POST /v1/reward ×{args.samples} {workers}": service.singles("math"),
             }
-            rates: dict[str, float] = {}
-            agree: dict[str, float] = {}
-            reference: list[float] = []
-            for name, fn in track(list(contenders.items()), description="measuring", console=console):
-                fn(warm)
-                rates[name], rewards = timed(fn, rounds)
-                reference = reference or rewards
-                agree[name] = sum(x == y for x, y in zip(rewards, reference, strict=True)) / len(rewards)
+            exact: Contenders = {
+                "exact_match in-process": exact_match_in_process,
+                f"service POST /v1/rewards {workers}": service.batch("exact_match"),
+                f"service POST /v1/reward ×{args.samples} {workers}": service.singles("exact_match"),
+            }
+            try:
+                math_rates, math_agree, reference = measure(math, warm, rounds, console)
+                exact_rates, exact_agree, _ = measure(exact, warm, rounds, console)
+            finally:
+                service.close()
         finally:
             child.stop()
 
-    base = next(iter(rates.values()))
-    table = Table(title=f"math reward on {args.samples} typical answers × {args.rounds} rounds")
-    for col in ("path", "samples/s", "ratio vs math-verify direct", "same rewards"):
-        table.add_column(col, justify="right" if col != "path" else "left")
-    for name, rate in rates.items():
-        table.add_row(name, f"{rate:,.0f}", f"{rate / base:.2f}×", f"{agree[name]:.0%}")
-    console.print(table)
+    shape = f"{args.samples} typical answers × {args.rounds} rounds"
+    console.print(table(f"math reward on {shape}", math_rates, math_agree))
     correct = sum(reference) / len(reference)
     console.print(f"share of right answers in the last round: {correct:.0%}")
+    console.print(table(f"exact_match (boxed) reward on {shape}", exact_rates, exact_agree))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ TOKEN = "reward-test-token"
 USER_MODULE = "vime_reward_test_user_fns"
 ALLOWED = [
     f"{USER_MODULE}:{fn}"
-    for fn in ("hang", "wedge", "crash", "async_len", "group_rank", "counted", "token_sum")
+    for fn in ("hang", "wedge", "crash", "async_len", "group_rank", "counted", "token_sum", "picky")
 ]
 """The user functions the service is started with (``reward.allowed_functions``)."""
 
@@ -83,6 +83,13 @@ def counted(req):
 
 def token_sum(req):
     return float(sum(req.response_token_ids or []))
+
+
+def picky(req):
+    """Hangs, wedges or crashes when the response says so; else the response's length."""
+    if req.response in ("hang", "wedge", "crash"):
+        globals()[req.response](req)
+    return {"reward": float(len(req.response)), "pred": req.response}
 
 '''
 FORBIDDEN_MODULE = "vime_reward_test_forbidden"
@@ -380,6 +387,43 @@ async def test_pool_survives_a_worker_that_exits(service: str) -> None:
     assert "exit code 7" in (crashed.error or "")
     assert all(r.reward == 1.0 for r in after)
     assert metric(service, "vime_reward_worker_restarts_total", reason="crash") == before + 1
+    assert wait_pool_whole(service)["alive"] == 2
+
+
+async def test_a_batch_scores_each_sample_as_if_alone(service: str) -> None:
+    """A batch goes to the workers in chunks: a sample that hangs, wedges its worker or kills it
+    gets its own result, and every other sample of its chunk gets its own."""
+    fn = f"{USER_MODULE}:picky"
+    stuck = {1: "hang", 3: "crash", 6: "wedge"}
+    responses = [stuck.get(i, "x" * (1 + i % 5)) for i in range(24)]
+    before = {r: metric(service, "vime_reward_worker_restarts_total", reason=r) for r in ("crash", "timeout")}
+    async with client(service) as c:
+        start = time.monotonic()
+        results = await c.score_batch([{"response": r, "label": None} for r in responses], fn=fn)
+        took = time.monotonic() - start
+        alone = [await c.score({"response": r, "label": None}, fn=fn) for r in responses if r.startswith("x")]
+    for timed_out in (results[1], results[6]):
+        assert (timed_out.status, timed_out.timed_out, timed_out.reward) == (
+            RewardStatus.TIMEOUT,
+            True,
+            TIMEOUT_REWARD,
+        )
+    assert results[3].status == RewardStatus.ERROR and "exit code 7" in (results[3].error or "")
+    others = [r for i, r in enumerate(results) if i not in stuck]
+    assert [(r.status, r.reward, r.pred) for r in others] == [
+        (RewardStatus.OK, float(len(t)), t) for t in responses if t.startswith("x")
+    ]
+    assert [(r.reward, r.pred, r.details) for r in others] == [(r.reward, r.pred, r.details) for r in alone]
+    assert took < 4 * TIMEOUT_S  # about two timeouts: the wedge, then what its chunk had left
+    for reason, count in before.items():  # both replacements counted before the next test looks
+        poll_until_blocking(
+            lambda reason=reason, count=count: (
+                metric(service, "vime_reward_worker_restarts_total", reason=reason) == count + 1
+            ),
+            timeout_s=20,
+            interval_s=0.1,
+            what=f"the {reason} restart",
+        )
     assert wait_pool_whole(service)["alive"] == 2
 
 

@@ -37,7 +37,7 @@ class ResultCache:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
         self._done: OrderedDict[str, tuple[str, RewardResult]] = OrderedDict()
-        self._running: dict[str, tuple[str, asyncio.Task[RewardResult]]] = {}
+        self._running: dict[str, tuple[str, asyncio.Future[RewardResult]]] = {}
 
     def get(self, key: str, digest: str) -> RewardResult | None:
         """The kept answer for ``key`` if it was for the same request."""
@@ -60,18 +60,28 @@ class ResultCache:
         self, key: str, digest: str, compute: Callable[[], Awaitable[RewardResult]]
     ) -> tuple[RewardResult, bool]:
         """(result, True) for a repeat of a known or running request, else (computed result, False)."""
+        waiting, repeated = self.begin(key, digest, compute)
+        return await waiting, repeated
+
+    def begin(
+        self, key: str, digest: str, compute: Callable[[], Awaitable[RewardResult]]
+    ) -> tuple[asyncio.Future[RewardResult], bool]:
+        """`once` without the wait (what to await, and whether it is a repeat), so a caller can
+        start many before scoring the new ones together; ``compute()`` may return a future."""
         kept = self.get(key, digest)
         if kept is not None:
-            return kept, True
+            answer: asyncio.Future[RewardResult] = asyncio.get_running_loop().create_future()
+            answer.set_result(kept)
+            return answer, True
         running = self._running.get(key)
         if running is not None and running[0] == digest:
-            return await asyncio.shield(running[1]), True
-        task: asyncio.Task[RewardResult] = asyncio.ensure_future(compute())
+            return asyncio.shield(running[1]), True
+        task = asyncio.ensure_future(compute())
         self._running[key] = (digest, task)
         task.add_done_callback(lambda t: self._settle(key, digest, t))
-        return await asyncio.shield(task), False
+        return asyncio.shield(task), False
 
-    def _settle(self, key: str, digest: str, task: asyncio.Task[RewardResult]) -> None:
+    def _settle(self, key: str, digest: str, task: asyncio.Future[RewardResult]) -> None:
         if self._running.get(key, (None, None))[1] is task:
             del self._running[key]
         if not task.cancelled() and task.exception() is None:

@@ -8,6 +8,13 @@ worker and starts a new one in the background while the other workers keep servi
 dies mid-task (``os._exit``, a segfault, the OOM killer) is noticed by the closed pipe and replaced
 the same way. Workers fork from a warm fork server (`vime_reward._preload`), so a replacement is
 ready in milliseconds.
+
+`WorkerPool.run_stream` hands one worker many items at once (one pickle, one send) for batches
+of cheap functions, where the per-task overhead would dominate. The worker answers item by item
+(see `vime_reward.worker`), and each item has its own deadline counted from the previous item's
+reply, so every item is timed, killed and replaced exactly as a task of its own would be; the
+items after one that overran that deadline or killed its worker are reported as not run, for the
+caller to run again.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +55,16 @@ class _Worker:
     process: BaseProcess
     conn: Connection
     tasks: int = 0
+    poller: select.poll = field(init=False, repr=False)
+    """Watches ``conn`` for a reply: one syscall, where ``conn.poll()`` builds a selector each time."""
+
+    def __post_init__(self) -> None:
+        self.poller = select.poll()
+        self.poller.register(self.conn.fileno(), select.POLLIN)
+
+    def has_message(self) -> bool:
+        """Whether a reply (or EOF) can be read now; a closed pipe's recv raises at once."""
+        return self.conn.closed or bool(self.poller.poll(0))
 
 
 @dataclass
@@ -133,39 +151,88 @@ class WorkerPool:
                 return worker
             self._replace_soon(worker, "died_idle")
 
+    async def run_stream(self, task: dict[str, Any], timeout_s: float) -> list[TaskResult | None]:
+        """Score ``task["items"]`` in turn on one worker, each as its own one-item task would be.
+
+        One `TaskResult` per item, each item under ``timeout_s``; ``None`` for items that never ran
+        because an earlier one timed out or killed its worker (which is then replaced).
+        """
+        count = len(task["items"])
+        data = pickle.dumps({**task, "kind": "stream", "soft_timeout_s": timeout_s})
+        worker = await self._checkout()
+        self._busy += 1
+        try:
+            return await self._stream_on(worker, data, count, timeout_s)
+        finally:
+            self._busy -= 1
+
     async def _run_on(self, worker: _Worker, data: bytes, timeout_s: float, start: float) -> TaskResult:
         try:
-            if len(data) <= _DIRECT_SEND_BYTES:
-                worker.conn.send_bytes(data)
-            else:
-                await asyncio.to_thread(worker.conn.send_bytes, data)
+            await self._send(worker, data)
             reply = await self._recv(worker, timeout_s + self.grace_s)
         except TimeoutError:
-            self._replace_soon(worker, "timeout")
-            return TaskResult("timeout", error=f"timed out after {timeout_s:g}s", elapsed_s=_since(start))
+            return self._timed_out(worker, timeout_s, start)
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
-            code = await self._reap(worker)
-            self._replace_soon(worker, "crash", reaped=True)
-            return TaskResult(
-                "error",
-                error=f"the reward worker died while scoring (exit code {code}; {type(exc).__name__})",
-                elapsed_s=_since(start),
-            )
+            return await self._crashed(worker, exc, start)
         except asyncio.CancelledError:
             # The caller gave up; the worker is still busy. Take its reply (or kill it) later.
-            self._spawn_background(self._drain(worker, start + timeout_s + self.grace_s))
+            self._spawn_background(self._drain(worker, start + timeout_s + self.grace_s, 1, 0.0))
             raise
         worker.tasks += 1
         self._idle.put_nowait(worker)
-        elapsed = _since(start)
-        if reply.get("ok"):
-            return TaskResult("ok", reply, elapsed_s=elapsed)
-        status: Literal["timeout", "error"] = "timeout" if reply.get("timeout") else "error"
-        return TaskResult(status, reply, error=str(reply.get("error")), elapsed_s=elapsed)
+        return _task_result(reply, _since(start))
+
+    async def _stream_on(
+        self, worker: _Worker, data: bytes, count: int, timeout_s: float
+    ) -> list[TaskResult | None]:
+        results: list[TaskResult | None] = [None] * count
+        step_s = timeout_s + self.grace_s
+        done = 0
+        start = time.perf_counter()  # when the current item started, as far as the service knows
+        try:
+            await self._send(worker, data)
+            while done < count:
+                reply = await self._recv(worker, start + step_s - time.perf_counter())
+                if reply.get("index") != done:
+                    raise EOFError(f"expected the reply for item {done}, got {reply.get('index')!r}")
+                results[done] = _task_result(reply, float(reply.get("elapsed_s") or _since(start)))
+                done += 1
+                start = time.perf_counter()
+        except TimeoutError:
+            results[done] = self._timed_out(worker, timeout_s, start)
+            return results
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            results[done] = await self._crashed(worker, exc, start)
+            return results
+        except asyncio.CancelledError:
+            self._spawn_background(self._drain(worker, start + step_s, count - done, step_s))
+            raise
+        worker.tasks += 1
+        self._idle.put_nowait(worker)
+        return results
+
+    async def _send(self, worker: _Worker, data: bytes) -> None:
+        if len(data) <= _DIRECT_SEND_BYTES:
+            worker.conn.send_bytes(data)
+        else:
+            await asyncio.to_thread(worker.conn.send_bytes, data)
+
+    def _timed_out(self, worker: _Worker, timeout_s: float, start: float) -> TaskResult:
+        self._replace_soon(worker, "timeout")
+        return TaskResult("timeout", error=f"timed out after {timeout_s:g}s", elapsed_s=_since(start))
+
+    async def _crashed(self, worker: _Worker, exc: BaseException, start: float) -> TaskResult:
+        code = await self._reap(worker)
+        self._replace_soon(worker, "crash", reaped=True)
+        return TaskResult(
+            "error",
+            error=f"the reward worker died while scoring (exit code {code}; {type(exc).__name__})",
+            elapsed_s=_since(start),
+        )
 
     async def _recv(self, worker: _Worker, timeout_s: float) -> dict[str, Any]:
         """The worker's next message; TimeoutError past ``timeout_s``, EOFError if it died."""
-        if not worker.conn.poll():
+        if not worker.has_message():
             loop = asyncio.get_running_loop()
             ready: asyncio.Future[None] = loop.create_future()
             fd = worker.conn.fileno()
@@ -186,9 +253,13 @@ class WorkerPool:
             raise EOFError(f"unexpected message from worker: {type(message).__name__}")
         return message
 
-    async def _drain(self, worker: _Worker, deadline: float) -> None:
+    async def _drain(self, worker: _Worker, deadline: float, count: int, step_s: float) -> None:
+        """Read the ``count`` replies still due (the first by ``deadline``, each next within
+        ``step_s``), then take the worker back; kill and replace it if one is late."""
         try:
-            await self._recv(worker, deadline - time.perf_counter())
+            for _ in range(count):
+                await self._recv(worker, deadline - time.perf_counter())
+                deadline = time.perf_counter() + step_s
         except (TimeoutError, EOFError, OSError, pickle.UnpicklingError):
             await self._replace(worker, "abandoned")
         else:
@@ -261,6 +332,14 @@ class WorkerPool:
         await asyncio.gather(*(self._reap(w) for w in list(self._workers)))
         self._workers.clear()
         self._idle.put_nowait(None)
+
+
+def _task_result(reply: dict[str, Any], elapsed_s: float) -> TaskResult:
+    """A worker's reply as a `TaskResult`."""
+    if reply.get("ok"):
+        return TaskResult("ok", reply, elapsed_s=elapsed_s)
+    status: Literal["timeout", "error"] = "timeout" if reply.get("timeout") else "error"
+    return TaskResult(status, reply, error=str(reply.get("error")), elapsed_s=elapsed_s)
 
 
 def _since(start: float) -> float:

@@ -6,7 +6,10 @@ without losing the worker. Code stuck inside C (a huge integer power, a regex bl
 signals; the service then kills the worker (see `vime_reward.pool`).
 
 Protocol on the pipe: the worker sends ``{"ready": True, "pid": ...}`` once, then answers each
-task dict with one reply dict; ``None`` or a closed pipe ends it.
+task dict with one reply dict; ``None`` or a closed pipe ends it. A ``stream`` task (`run_stream`)
+is the exception: its items are scored one by one, each as a one-item ``score`` task under its
+own soft timeout, and each gets its own reply as soon as it is done (with ``index`` and the
+worker's ``elapsed_s``), so the service can keep a deadline per item.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import os
 import pickle
 import resource
 import signal
+import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -49,19 +54,39 @@ def worker_main(conn: Connection, memory_limit_bytes: int | None = None) -> None
             return
         if task is None:
             return
-        try:
-            reply = run_task(task)
-        except TaskTimeout:  # the alarm fired just as the task ended
-            reply = _timeout_reply(task)
-        data = pickle.dumps(reply)
-        if len(data) > MAX_REPLY_BYTES:
-            data = pickle.dumps(
-                {"ok": False, "error": f"the reply is {len(data)} bytes, over {MAX_REPLY_BYTES}"}
-            )
-        try:
-            conn.send_bytes(data)
-        except (BrokenPipeError, OSError):
-            return
+        replies = run_stream(task) if task.get("kind") == "stream" else iter([_answer(task)])
+        for reply in replies:
+            data = pickle.dumps(reply)
+            if len(data) > MAX_REPLY_BYTES:
+                error = f"the reply is {len(data)} bytes, over {MAX_REPLY_BYTES}"
+                data = pickle.dumps({**_tags(reply), "ok": False, "error": error})
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                return
+
+
+def run_stream(task: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The replies to a ``stream`` task: each item scored alone, as a one-item ``score`` task would be."""
+    one = {key: value for key, value in task.items() if key != "items"}
+    one["kind"] = "score"
+    for index, item in enumerate(task["items"]):
+        one["items"] = [item]
+        start = time.perf_counter()
+        reply = _answer(one)
+        yield {**reply, "index": index, "elapsed_s": round(time.perf_counter() - start, 6)}
+
+
+def _answer(task: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return run_task(task)
+    except TaskTimeout:  # the alarm fired just as the task ended
+        return _timeout_reply(task)
+
+
+def _tags(reply: dict[str, Any]) -> dict[str, Any]:
+    """What a stream reply says about which item it answers."""
+    return {key: reply[key] for key in ("index", "elapsed_s") if key in reply}
 
 
 def run_task(task: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from vime_reward.functions.remote import RemoteFailed, RemoteTimeout, _reply_out
 from vime_reward.functions.user import describe, is_import_path, load
 from vime_reward.pool import TaskResult, WorkerPool
 from vime_reward.resolve import Resolver
-from vime_reward.worker import run_task
+from vime_reward.scoring import CHUNK_ITEMS, chunk_sizes
+from vime_reward.worker import run_stream, run_task
 
 from vime.config import RewardConfig
 from vime.service import ServiceError
@@ -126,6 +127,24 @@ def test_run_task_failures_become_error_replies(user_module: str, fn: str, group
     assert reply["ok"] is False and message in reply["error"]
 
 
+def test_run_stream_answers_each_item_as_a_task_of_its_own(user_module: str) -> None:
+    items = [
+        {"response": "ab", "label": None},
+        {"response_token_ids": [1], "label": None},  # len(None) fails: this item only
+        {"response": "abcd", "label": None},
+    ]
+    task = {"kind": "stream", "fn": f"{user_module}:length", "items": items}
+    replies = list(run_stream(task))
+    assert [r["index"] for r in replies] == [0, 1, 2]
+    assert all(isinstance(r["elapsed_s"], float) for r in replies)
+    alone = [_score(f"{user_module}:length", [item]) for item in items]
+    assert [{k: v for k, v in r.items() if k not in ("index", "elapsed_s")} for r in replies] == alone
+    assert [r["ok"] for r in replies] == [True, False, True] and "TypeError" in replies[1]["error"]
+    gsm8k = {"kind": "stream", "fn": "gsm8k", "options": {"format_score": 0.1}}
+    graded = run_stream({**gsm8k, "items": [{"response": f"#### {n}", "label": "72"} for n in (72, 70)]})
+    assert [r["results"][0]["reward"] for r in graded] == [1.0, 0.1]
+
+
 def test_run_task_keeps_unserialisable_details_readable(user_module: str) -> None:
     out = _score(f"{user_module}:weird_details", [{"response": "x", "label": 1}])["results"][0]
     assert out["reward"] == 1.0 and "inf" in out["details"]["unserializable"]
@@ -171,6 +190,21 @@ async def test_cache_answers_repeats_and_joins_running_duplicates() -> None:
     assert cache.get("s1", "other") is None and cache.get("s3", "d") is not None
 
 
+async def test_cache_begin_starts_only_what_it_has_not_seen() -> None:
+    cache = ResultCache()
+    loop = asyncio.get_running_loop()
+    slot: asyncio.Future[RewardResult] = loop.create_future()
+    first, repeated = cache.begin("s", "d", lambda: slot)
+    joined, joined_repeated = cache.begin(
+        "s", "d", lambda: pytest.fail("a running request was started again")
+    )
+    assert (repeated, joined_repeated) == (False, True) and not first.done()
+    slot.set_result(_result(1.0))
+    assert await first == await joined == _result(1.0)
+    kept, kept_repeated = cache.begin("s", "d", lambda: pytest.fail("a kept answer was computed again"))
+    assert kept_repeated and kept.done() and kept.result() == _result(1.0)
+
+
 async def test_cache_keeps_no_errors() -> None:
     cache = ResultCache()
 
@@ -181,6 +215,14 @@ async def test_cache_keeps_no_errors() -> None:
     assert cache.get("e", "d") is None
     cache.put("t", "d", _result(0.0, RewardStatus.TIMEOUT))
     assert cache.get("t", "d") is not None
+
+
+@pytest.mark.parametrize(("count", "workers"), [(256, 2), (256, 16), (10, 2), (1, 4), (1000, 1)])
+def test_chunks_shrink_as_the_work_left_does(count: int, workers: int) -> None:
+    sizes = chunk_sizes(count, workers)
+    assert sum(sizes) == count and sizes == sorted(sizes, reverse=True)
+    assert sizes[0] <= CHUNK_ITEMS and sizes[-1] == 1
+    assert len(sizes) >= min(count, 2 * workers)  # every worker gets work, twice over
 
 
 def test_fingerprint_covers_what_decides_the_answer() -> None:
