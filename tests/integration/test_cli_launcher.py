@@ -241,7 +241,7 @@ def test_a_child_failing_at_start_fails_up_with_the_reason(tmp_path: Path, model
     try:
         assert wait_exit(up.child, 150) == 1
         log = up.child.log_path.read_text()  # type: ignore[union-attr]
-        assert "rollout exited with code" in log and "no-such-model" in log and "does not exist" in log
+        assert "rollout exited with code" in log and "no-such-model" in log and "does not exist" in log, log
         assert "trainer" not in re.findall(r"✓ (\w+)", log)  # never started: the rollout came first
         assert leftovers(up.mark) == {}
     finally:
