@@ -132,8 +132,7 @@ class EngineConfig(Section):
     the first push — then ``vllm`` for the run, with a warning — for engines it cannot load exactly
     (quantised, split over several GPUs, parameters that are not plain tensors of the trainer's
     dtype and size). The trainer keeps, per GPU for the whole run, one staging buffer the model's
-    size when that is at most twice ``trainer.packed_buffer_size_bytes`` (a push is then one call per
-    engine), else two of that size to alternate."""
+    size when it fits ``trainer.packed_buffer_size_bytes``, else two of that size to alternate."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to answer /health after launch."""
     health_check_interval_s: float = Field(2.0, gt=0)
