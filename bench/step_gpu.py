@@ -37,6 +37,8 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -337,6 +339,18 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None
     return out
 
 
+def gpu_probe(when: str) -> dict[str, Any]:
+    """`gpu_probe.py` in a fresh process (GEMM, copy, launch cost): is the GPU itself slower now?"""
+    script = Path(__file__).with_name("gpu_probe.py")
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except Exception as exc:  # a probe that fails is reported, the runs go on
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    console.print(f"gpu probe, {when}: {result}")
+    return {"when": when, **result}
+
+
 def main() -> None:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="vime-bench-step-"))
@@ -360,9 +374,10 @@ def main() -> None:
         out["stack_start_s"] = round(time.monotonic() - t0, 1)
         if args.compare_rollout:
             out["rollout_compare"] = asyncio.run(compare_rollout(plan.cfg, model))
+        probes = out["gpu_probe"] = [gpu_probe("before the first run")] if args.engine == "vllm" else []
         for k, spec in enumerate(args.runs):  # one run each, one after the other, same engines
             t0 = time.monotonic()
-            kind = spec.label
+            kind = spec.label if spec.label not in runs else f"{spec.label}-{k + 1}"
             run_id = f"{RUN_ID}-{kind}"
             try:
                 status, events = asyncio.run(run(plan.cfg, run_id, spec, k * args.rollouts, timeout_s=3000))
@@ -371,6 +386,8 @@ def main() -> None:
                 events, state = [], {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
             runs[kind] = (run_id, events)
             out["runs"][kind] = {"run_s": round(time.monotonic() - t0, 1), **state}
+            if probes:
+                probes.append(gpu_probe(f"after run {k + 1} ({kind})"))
     finally:
         sup.stop()
     for kind, (run_id, events) in runs.items():

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))
 
 import suite_results  # noqa: E402
+from gpu_watch import watch  # noqa: E402
 from suite_steps import STEPS, SelectionError, Step, command, select  # noqa: E402
 
 DRY_RUN_ENV = "VIME_GPU_DRY_RUN"
@@ -236,7 +237,8 @@ class Suite:
         log_path = self.work / "logs" / f"{step.name}.log"
         log(f"{step.name}: start ({step.doc}); limit {timeout:.0f}s")
         t0 = time.monotonic()
-        status, rc = run_step(step, argv, self.env(step), log_path, timeout)
+        with watch(log_path.parent, step.name, enabled=not self.args.dry_run):
+            status, rc = run_step(step, argv, self.env(step), log_path, timeout)
         record.update(
             status=status, rc=rc, duration_s=round(time.monotonic() - t0, 1), timeout_s=round(timeout)
         )

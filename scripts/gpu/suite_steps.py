@@ -153,6 +153,14 @@ STEPS: dict[str, Step] = {
             expect_s=340,
         ),
         Step(
+            "bench_step_order",
+            "bench_step's workload three times on one stack: vllm, direct, vllm (is a later run on a stack slower whatever its settings? gpu_probe.py between the runs)",
+            _STEP_GPU + _args("--runs vllm direct vllm"),
+            _STEP_CPU + _args("--runs vllm direct vllm"),
+            timeout_s=560,
+            expect_s=480,
+        ),
+        Step(
             "bench_step_resident",
             "bench_step's workload twice on one stack, engine.weight_load=direct: the default (the trainer's state offloaded while vLLM generates), then offload_train=false (it stays on the GPU)",
             _STEP_GPU + _args("--runs direct direct,offload_train=false"),
