@@ -369,6 +369,7 @@ def sync_round(rep: Any, baseline: str, baseline_s: float, **extra: Any) -> dict
         "bytes": rep.nbytes,
         "sync_s": rep.seconds,
         "phases": phases,
+        "update_parts": {k: round(v, 4) for k, v in rep.update_parts.items()},
         "baseline": baseline,
         "baseline_s": baseline_s,
         **extra,

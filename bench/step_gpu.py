@@ -240,6 +240,7 @@ def push_figures(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
                 "GBps": float(detail.get("nbytes", 0)) / seconds / 1e9 if seconds else float("nan"),
                 "weight_load": detail.get("weight_load"),
                 "phases": detail.get("phases", {}),
+                "update_parts": detail.get("update_parts", {}),
             }
     return out
 

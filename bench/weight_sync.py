@@ -9,15 +9,16 @@ the two kinds alternate, so both see the same machine state.
 
 Every round is the colocated flow of a step: the trainer's weights change (its final norm is
 negated, so the engines' greedy tokens must change too) → the engines must now disagree with the
-trainer → engines ``/sleep?level=2`` → (``--cpu-rounds``: the trainer sleeps, step 41, and the push
-reads its CPU backup) → ``/wake_up?tags=weights`` → the push → ``/wake_up?tags=kv_cache`` → every
+trainer → engines ``/sleep?level=2`` → (``--asleep-rounds``: the trainer sleeps, step 41, keeping
+its weights on the GPU as ``vime train`` does) → ``/wake_up?tags=weights`` → the push → (the
+trainer's weights go) → ``/wake_up?tags=kv_cache`` → every
 engine's greedy next token must be the trainer's for every probe prompt. A round that fails is
 reported with its error and the others go on; the figures are always written.
 
 ``--transport ipc`` (GPU host, one GPU, vLLM installed): one ``vllm serve`` started by the rollout
 manager's command builder with dummy weights, the trainer's rank on the same GPU. Baselines:
-``--rounds`` (the trainer awake, the push reads its GPU parameters): a device-to-device copy of the
-same bytes on the rank; ``--cpu-rounds``: the host→device copy of the CPU backup.
+a device-to-device copy of the same bytes on the rank (both kinds of round read the trainer's
+parameters on the GPU).
 ``--transport shm`` (CPU): reference engines, CPU ranks; baseline: writing and reading the same
 buckets in tmpfs.
 
@@ -27,7 +28,7 @@ resume), GB/s, the baseline, push / baseline. Goal for a Qwen3-4B shape (8.8 GB)
 after) and prints the step time and MFU. A final ``VIME_RESULT {...}`` line has everything; the exit
 status is 1 when any check or round failed.
 
-    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 2 --train-steps 3
+    python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --asleep-rounds 2 --train-steps 3
     python bench/weight_sync.py [--transport shm] [--size micro|small] [--engines 2] [--rounds 3]
 """
 
@@ -77,7 +78,12 @@ def parse_args() -> argparse.Namespace:
         help="engine.weight_load values, each KIND or KIND@MB (its own trainer.packed_buffer_size_bytes)",
     )
     p.add_argument("--rounds", type=int, default=3, help="pushes of each kind from the awake trainer")
-    p.add_argument("--cpu-rounds", type=int, default=0, help="ipc: pushes of each kind from the CPU backup")
+    p.add_argument(
+        "--asleep-rounds",
+        type=int,
+        default=0,
+        help="ipc: pushes of each kind with the trainer asleep (step 41)",
+    )
     p.add_argument("--train-steps", type=int, default=0, help="then train this many steps (MFU)")
     p.add_argument("--train-samples", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=200)
@@ -191,20 +197,6 @@ def device_copy_seconds(rank: Any) -> dict[str, float]:
     return {**out, "bytes": float(nbytes)}
 
 
-def host_to_device_seconds(rank: Any) -> float:
-    """Copy the rank's CPU weight backup to the GPU (what the push reads while it sleeps)."""
-    import torch
-
-    backup = rank.backup.get("actor")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    copies = [t.to("cuda", non_blocking=True) for t in backup.values()]
-    torch.cuda.synchronize()
-    del copies
-    torch.cuda.empty_cache()
-    return time.perf_counter() - t0
-
-
 def _empty_cache(rank: Any) -> None:
     import torch
 
@@ -236,7 +228,8 @@ def greedy_agrees(group: Any, url: str) -> bool:
 async def colocated_push(
     sync: Any, group: Any, engines: list[EngineInfo], version: int, trainer_sleeps: bool
 ) -> tuple[Any, dict[str, float]]:
-    """Seed 33–36, (41), 43, 45–52, 54: engines sleep, (trainer sleeps,) weights wake, push, KV wakes."""
+    """Seed 33–36, (41), 43, 45–52, 54: engines sleep, (trainer sleeps,) weights wake, push, (the
+    trainer's weights go,) KV wakes."""
     clients = [httpx.AsyncClient(base_url=e.url, timeout=300) for e in engines]
 
     async def each(path: str, **params: Any) -> float:
@@ -248,10 +241,12 @@ async def colocated_push(
 
     try:
         await each("/sleep", level=2, mode="keep")
-        if trainer_sleeps:
-            await asyncio.to_thread(group.sleep)
+        if trainer_sleeps:  # as `vime train`: its weights stay on the GPU for the push
+            await asyncio.to_thread(group.sleep, True, True)
         wake_weights = await each("/wake_up", tags="weights")
         rep = await sync.push(engines, version, flush=True)
+        if trainer_sleeps:
+            await asyncio.to_thread(group.drop_weights)
         wake_kv = await each("/wake_up", tags="kv_cache")
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
@@ -330,9 +325,6 @@ class Rounds:
         if not self.gpu:
             base = self.tmpfs_s = self.tmpfs_s or tmpfs_round_trip(self.group)
             return sync_round(rep, "tmpfs write+read", base, **extra, **wakes)
-        if trainer_sleeps:
-            base = call_on_ranks(self.group, host_to_device_seconds)[0]
-            return sync_round(rep, "H2D copy", base, **extra, **wakes)
         d2d = self.d2d = self.d2d or call_on_ranks(self.group, device_copy_seconds)[0]
         return sync_round(
             rep, "D2D flat copy", d2d["flat"], d2d_clones_s=round(d2d["clones"], 5), **extra, **wakes
@@ -366,8 +358,8 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
         rounds.problems.append("the engines agree with the trainer before any push (not dummy weights?)")
     kinds = args.weight_loads
     groups = [("from_gpu" if rounds.gpu else "from_trainer", False, args.rounds)]
-    if rounds.gpu and args.cpu_rounds:
-        groups.append(("from_cpu_backup", True, args.cpu_rounds))
+    if rounds.gpu and args.asleep_rounds:
+        groups.append(("trainer_asleep", True, args.asleep_rounds))
     for label, sleeps, count in groups:
         done: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
         for _ in range(count):

@@ -132,9 +132,9 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync",
-            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm, direct in two 4.5 GiB buckets (direct@4608) and direct in 1 GiB buckets alternating, vs D2D/H2D copies; 4B train-step MFU",
+            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm, direct in two 4.5 GiB buckets (direct@4608) and direct in 1 GiB buckets alternating, the trainer awake and asleep as in vime train, vs a D2D copy; 4B train-step MFU",
             _args(
-                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --cpu-rounds 1 --train-steps 2"
+                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 2 --asleep-rounds 2 --train-steps 2"
                 " --weight-loads vllm direct@4608 direct"
             ),
             _args(

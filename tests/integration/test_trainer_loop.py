@@ -38,7 +38,7 @@ from test_trainer_support import (
     wait_first_step,
 )
 
-from tests.support.run_events import PUSH
+from tests.support.run_events import DROP, PUSH
 from vime.wire.trainer import STEP_PHASES
 
 pytestmark = pytest.mark.slow
@@ -136,6 +136,7 @@ def leg_a_stops_during_its_first_steps(stack: Stack, run_id: str, urls: list[str
         "trainer.sleep",  # 1–3
         "engines.onload(weights)",
         *PUSH,
+        DROP,
         "rollout.training_ready",  # 4–9
         "engines.onload(kv_cache)",  # 10–13
     ]

@@ -3,7 +3,8 @@ vLLM runs, over shared-memory staging buffers), its refusal and the fallback to 
 
 Real processes: reference engines started with and without ``--worker-extension-cls``, Megatron
 CPU ranks as Ray actors. Checked: after a direct push the engine's log-probs are the trainer's
-(and were not before: training moved the weights), also from the sleeping trainer's CPU backup;
+(and were not before: training moved the weights), also from the sleeping trainer's CPU backup
+and, from a sleep that kept them, from the parameters themselves;
 the engines' checksums agree with the trainer's on every bucket, and a byte that changed after
 the trainer checksummed it fails the push with the engines left paused; buffers are opened once
 per engine start and again for a restarted engine; engines that cannot be loaded directly (weights
@@ -25,6 +26,7 @@ import torch
 from vime_trainer.megatron.actor_group import ActorGroup
 from vime_trainer.weight_sync import WeightSync, WeightSyncError, make_weight_sync
 from vime_trainer.weight_sync.direct_sync import DirectSync
+from vime_trainer.weight_sync.ipc import call_on_ranks
 
 from tests.support.direct_ranks import LocalRanks
 from tests.support.megatron import Publisher, one, rollout_batch, run_config, split
@@ -134,9 +136,24 @@ def test_direct_pushes_give_the_engine_the_trainers_weights(
         assert httpx.get(url + "/weight_info").json() == {"weight_version": "2"}
 
         group.train(publish(split(group.config, rollout_batch(group.config, 1, seed=8))))
-        group.sleep()  # seed step 41: the push reads the CPU backup
+        group.sleep()  # asleep, weights and all: the push reads the CPU backup
         asyncio.run(sync.push([info(url)], 3, flush=False))
         group.wake_up()  # the comparison runs the trainer's forward
+        assert gap(url, group) < 1e-4
+
+        def shift_backup(rank: Any, by: float) -> None:
+            for t in rank.backup.get("actor").values():
+                t.add_(by)
+
+        group.train(publish(split(group.config, rollout_batch(group.config, 2, seed=9))))
+        group.sleep(keep_weights=True)  # seed step 41 as the loop runs it: the weights stay for the push
+        call_on_ranks(group, shift_backup, 1.0)  # a push that read the backup would load this
+        try:
+            asyncio.run(sync.push([info(url)], 4, flush=False))
+        finally:
+            call_on_ranks(group, shift_backup, -1.0)
+        group.drop_weights()
+        group.wake_up()
         assert gap(url, group) < 1e-4
     finally:
         asyncio.run(sync.aclose())
@@ -146,6 +163,7 @@ def test_direct_pushes_give_the_engine_the_trainers_weights(
     assert actions[:3] == ["weights.direct_open", "weights.pause", "weights.flush"]
     assert [a for a in actions if a not in ("weights.update", "weights.direct_open")] == [
         *("weights.pause", "weights.flush", "weights.label", "weights.resume"),
+        *("weights.pause", "weights.label", "weights.resume"),
         *("weights.pause", "weights.label", "weights.resume"),
     ]
 

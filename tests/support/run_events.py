@@ -23,7 +23,9 @@ TRAINED = ["trainer.sleep", "rollout.training_completed"]
 """Seed steps 41–42, after the step's checkpoint when it has one ([*TRAIN, "trainer.save", *TRAINED])."""
 STEP = [*TRAIN, *TRAINED]
 """A step without a checkpoint up to its weight sync (seed steps 14–42)."""
-SYNC = ["engines.onload(weights)", "admission.pause", *PUSH]
+DROP = "trainer.drop_weights"
+"""The end of seed step 41: the weights the trainer's sleep kept on the GPU leave after the push."""
+SYNC = ["engines.onload(weights)", "admission.pause", *PUSH, DROP]
 """A step's weight sync (seed steps 43–52)."""
 
 

@@ -79,13 +79,14 @@ class Controller:
             with clock.phase("save"):  # save_interval, the last rollout, a stop or a request
                 await self.maybe_save(rollout_id)
             with clock.phase("train"):
-                await self.ops.trainer_sleep()  # 41
+                await self.ops.trainer_sleep(keep_weights=True)  # 41, the push reads them on the GPU
                 await self.ops.training_completed(rollout_id)  # 42
             with clock.phase("onload_weights"):  # 43
                 await self.ops.onload_weights()
             with clock.phase("weight_sync"):  # 44–53
                 was_paused = await self.ops.pause_rollout_admission()
                 await self.ops.update_weights(self.ops.version + 1, self.flush(self.ops.version + 1))
+                await self.ops.trainer_drop_weights()  # 41's weights leave the GPU
                 if rollout_id + 1 < self.cfg.num_rollout:
                     await self.ops.resume_rollout_admission(was_paused)
             with clock.phase("onload_kv"):  # 54
@@ -121,9 +122,10 @@ class Controller:
             self.ctx.events.record("run.resume", next_rollout_id=first, weight_version=version)
         self.ctx.status.start_rollout_id = self.ctx.status.next_rollout_id = first
         self.ops.version = self.ops.start_version = held
-        await self.ops.trainer_sleep()  # Megatron sleeps before the engines wake
+        await self.ops.trainer_sleep(keep_weights=True)  # Megatron sleeps before the engines wake
         await self.ops.onload_weights()  # 4–7
         await self.ops.update_weights(version, flush=True)  # 8: first push, always flushes
+        await self.ops.trainer_drop_weights()  # the weights the push read leave the GPU
         await self.ops.training_ready()  # 9
         await self.ops.onload_kv()  # 10–13
         return first

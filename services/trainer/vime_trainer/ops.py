@@ -44,7 +44,8 @@ class Backend(Protocol):
     def start(self) -> None: ...
     def train(self, ref: BatchRef) -> TrainResult: ...
     def train_sft(self, ref: BatchRef) -> TrainResult: ...
-    def sleep(self, offload: bool = True) -> dict[str, float]: ...
+    def sleep(self, offload: bool = True, keep_weights: bool = False) -> dict[str, float]: ...
+    def drop_weights(self) -> dict[str, float]: ...
     def wake_up(self) -> None: ...
     def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
     def load(self, path: str | None = None) -> dict[str, Any] | None: ...
@@ -172,14 +173,27 @@ class RunOps:
             self.trainer_memory_metrics["trainer/wake_s"] = time.perf_counter() - t0
             self.events.record("trainer.wake_up")
 
-    async def trainer_sleep(self) -> None:
-        """Step 41: free the trainer's GPU memory before the engines wake."""
+    async def trainer_sleep(self, keep_weights: bool = False) -> None:
+        """Step 41: free the trainer's GPU memory before the engines wake; ``keep_weights``: all but
+        its weights, which the push that follows reads there (a device copy, not one up from the
+        CPU backup) until `trainer_drop_weights`."""
         if self.trainer_sleeps:
             t0 = time.perf_counter()
-            memory = await asyncio.to_thread(self.backend.sleep, bool(self.cfg.offload_train))
+            memory = await asyncio.to_thread(self.backend.sleep, bool(self.cfg.offload_train), keep_weights)
             self.trainer_memory_metrics["trainer/sleep_s"] = time.perf_counter() - t0
             self.trainer_memory_metrics |= {f"trainer/{k}": v for k, v in memory.items()}
             self.events.record("trainer.sleep", offload=bool(self.cfg.offload_train))
+
+    async def trainer_drop_weights(self) -> None:
+        """End of step 41: the weights the push read leave the GPU before the KV cache comes back."""
+        if self.trainer_sleeps:
+            t0 = time.perf_counter()
+            memory = await asyncio.to_thread(self.backend.drop_weights)
+            m = self.trainer_memory_metrics
+            m["trainer/drop_weights_s"] = time.perf_counter() - t0
+            m["trainer/freed_gib"] = m.get("trainer/freed_gib", 0.0) + memory.pop("freed_gib", 0.0)
+            m |= {f"trainer/{k}": v for k, v in memory.items()}
+            self.events.record("trainer.drop_weights")
 
     # --- rollout and training (seed steps 14–32, 37–42) ----------------------------------------
     async def generate(self, rollout_id: int) -> RolloutJob:
@@ -269,10 +283,13 @@ class RunOps:
             weight_load=report.weight_load,
             seconds=round(report.seconds, 4),
             phases=phases,
+            update_parts={k: round(v, 4) for k, v in report.update_parts.items()},
         )
-        self.push_metrics = {"weights/push_s": report.seconds} | {
-            f"weights/{k}_s": v for k, v in phases.items()
-        }
+        self.push_metrics = (
+            {"weights/push_s": report.seconds}
+            | {f"weights/{k}_s": v for k, v in phases.items()}
+            | {f"weights/update_{k}": v for k, v in report.update_parts.items()}
+        )
         return PushResult(
             version=version,
             flushed=flush,

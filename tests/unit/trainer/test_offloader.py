@@ -163,6 +163,58 @@ def test_without_offload_only_what_needs_no_copy_is_freed_and_training_goes_on_u
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sleep_keeping_weights_frees_them_only_when_dropped_and_wakes_the_same(dtype: torch.dtype) -> None:
+    """The weight push reads the parameters on the device between the sleep and `drop_weights`;
+    what the two calls free, copy and bring back together is what one full sleep does (bf16:
+    rebuilt from masters; fp32 without masters: copied to the same host slices)."""
+    runs = []
+    for keep in (False, True):
+        model = _model(dtype)
+        opt: MixedPrecision | torch.optim.Optimizer = (
+            MixedPrecision(list(model.parameters()))
+            if dtype == torch.bfloat16
+            else torch.optim.AdamW(model.parameters(), lr=0.05)
+        )
+        _train(model, opt, seed=1)
+        params = [p.detach().clone() for p in model.parameters()]
+        offloader = Offloader(model, opt, "cpu")
+        freed = offloader.sleep(keep_weights=keep)
+        if keep:
+            assert offloader.asleep and offloader.weights_resident
+            assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
+            freed += offloader.drop_weights()
+            assert offloader.drop_weights() == 0  # once
+        assert not offloader.weights_resident
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        host = offloader.host_bytes
+        offloader.wake_up()
+        assert offloader.weights_resident
+        model.zero_grad(
+            set_to_none=True
+        )  # the stand-in has no zero_grad_buffer (freed grads come back unset)
+        _train(model, opt, seed=2)
+        runs.append((freed, host, [p.detach().clone() for p in model.parameters()]))
+    (freed, host, after), (kept_freed, kept_host, kept_after) = runs
+    assert (kept_freed, kept_host) == (freed, host)
+    assert all(torch.equal(a, b) for a, b in zip(after, kept_after, strict=True))
+
+
+def test_a_wake_up_without_drop_frees_the_kept_weights_first() -> None:
+    model = _model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, opt, seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    offloader = Offloader(model, opt, "cpu")
+    offloader.sleep(keep_weights=True)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # written while held: the copy taken at the drop has it
+    offloader.wake_up()
+    assert not offloader.asleep and offloader.drop_weights() == 0
+    assert torch.equal(next(model.parameters()), before[0] + 1.0)
+    assert all(torch.equal(a, p) for a, p in zip(before[1:], list(model.parameters())[1:], strict=True))
+
+
 @pytest.mark.parametrize("awake_calls", ["wake_up", "sleep"])
 def test_repeated_calls_are_no_ops(awake_calls: str) -> None:
     model = _model(torch.float32)

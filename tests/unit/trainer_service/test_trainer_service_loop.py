@@ -16,7 +16,7 @@ from vime_trainer.ops import RunError, RunOps
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
-from tests.support.run_events import PUSH, STEP, SYNC, TRAIN, TRAINED, action_names
+from tests.support.run_events import DROP, PUSH, STEP, SYNC, TRAIN, TRAINED, action_names
 from vime.config import load_config
 from vime.wire.trainer import RunState
 
@@ -81,6 +81,7 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
         "trainer.sleep",  # 2, 3; Megatron sleeps first
         "engines.onload(weights)",
         *PUSH,  # 4–8: v1
+        DROP,
         "rollout.training_ready",
         "engines.onload(kv_cache)",  # 9–13
     ]
@@ -97,9 +98,9 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
     ]
     # Every sleep and wake is the loop's: the ranks refuse work while asleep, and a save costs nothing extra.
     assert run.backend.calls == [
-        *["start", "load", "sleep"],
-        *["wake_up", "train 0", "sleep"],
-        *["wake_up", "train 1", "save 1", "sleep"],
+        *["start", "load", "sleep keeping weights", "drop_weights"],
+        *["wake_up", "train 0", "sleep keeping weights", "drop_weights"],
+        *["wake_up", "train 1", "save 1", "sleep keeping weights", "drop_weights"],
     ]
     assert run.rollout.version == 3 and {s.version for s in run.engines.states.values()} == {"3"}
     assert [s.metrics["batch/weight_version_max"] for s in run.steps] == [1.0, 2.0]  # samples carry v1, v2
@@ -131,7 +132,7 @@ async def test_a_colocated_trainer_without_offload_still_frees_what_needs_no_cop
     run = Run("offload_train=false")
     await run.go()
     sleeps = [c for c in run.backend.calls if c.startswith("sleep")]
-    assert sleeps and set(sleeps) == {"sleep without offload"}  # start-up, then after every step
+    assert sleeps and set(sleeps) == {"sleep without offload keeping weights"}  # start-up, then every step
     assert len(sleeps) == 1 + len(run.steps)
     assert all("trainer/wake_s" in s.metrics and "trainer/sleep_s" in s.metrics for s in run.steps)
 

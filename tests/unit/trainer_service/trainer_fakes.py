@@ -234,11 +234,17 @@ class FakeBackend:
             self.on_train_sft(ref.rollout_id)
         return self._result(ref, [{"loss": 3.0 / (1 + ref.rollout_id), "grad_norm": 1.0}])
 
-    def sleep(self, offload: bool = True) -> dict[str, float]:
-        self.calls.append("sleep" if offload else "sleep without offload")
+    def sleep(self, offload: bool = True, keep_weights: bool = False) -> dict[str, float]:
+        self.calls.append(
+            ("sleep" if offload else "sleep without offload") + (" keeping weights" if keep_weights else "")
+        )
         time.sleep(self.memory_s)
         self.asleep = True
         return dict(self.sleep_memory)
+
+    def drop_weights(self) -> dict[str, float]:
+        self.calls.append("drop_weights")
+        return {"freed_gib": 0.5}
 
     def wake_up(self) -> None:
         self.calls.append("wake_up")

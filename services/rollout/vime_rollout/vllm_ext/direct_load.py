@@ -21,6 +21,7 @@ the model no longer uses, and the checksum always reads the parameters as the mo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +205,7 @@ class DirectLoadExtension:
         slot = int(req["slot"])
         if not 0 <= slot < len(state.buffers):
             raise ValueError(f"buffer {slot} is not open (have {len(state.buffers)})")
+        t0 = time.perf_counter()
         written = copy_into(state, state.buffers[slot], req["params"])
         value = checksum(written)  # reads the parameters back; waits for the copies
         return {
@@ -212,6 +214,7 @@ class DirectLoadExtension:
             "bytes": sum(v.numel() for v in written),
             "checksum": str(value),
             "rerecorded": state.rerecorded,
+            "seconds": time.perf_counter() - t0,
         }
 
     def vime_direct_close(self) -> dict[str, Any]:

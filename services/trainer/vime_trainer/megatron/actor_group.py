@@ -190,13 +190,13 @@ class ActorGroup:
                 for ref in gen:
                     self._get(ref)
 
-    def sleep(self, offload: bool = True) -> dict[str, float]:
-        """Every rank sleeps; the most any rank reports of each memory figure (`MegatronRank.sleep`)."""
-        out: dict[str, float] = {}
-        for stats in self.call("sleep", offload):
-            for k, v in stats.items():
-                out[k] = max(v, out.get(k, v))
-        return out
+    def sleep(self, offload: bool = True, keep_weights: bool = False) -> dict[str, float]:
+        """Every rank sleeps; the most any rank reports of each memory figure (`TrainRank.sleep`)."""
+        return _most(self.call("sleep", offload, keep_weights))
+
+    def drop_weights(self) -> dict[str, float]:
+        """Every rank frees the weights its sleep kept for the push (`TrainRank.drop_weights`)."""
+        return _most(self.call("drop_weights"))
 
     def wake_up(self) -> None:
         self.call("wake_up")
@@ -223,6 +223,15 @@ class ActorGroup:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _most(reports: list[dict[str, float]]) -> dict[str, float]:
+    """The most any rank reports of each figure."""
+    out: dict[str, float] = {}
+    for stats in reports:
+        for k, v in stats.items():
+            out[k] = max(v, out.get(k, v))
+    return out
 
 
 def _unlink(path: str) -> None:

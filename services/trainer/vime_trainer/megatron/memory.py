@@ -97,6 +97,10 @@ class Offloader:
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
         """Storages freed without a copy (gradients, parameters rebuilt from masters), with their size."""
         self._rebuild = False
+        self._held: list[tuple[torch.UntypedStorage, torch.Tensor | None]] = []
+        """Parameter storages a ``keep_weights`` sleep left on the device for the weight push,
+        each with its host slice (None: rebuilt from the masters, so only freed) until
+        `drop_weights`."""
         self.asleep = False
 
     def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -139,22 +143,57 @@ class Offloader:
         """Bytes of host memory the sleeps copy into (pinned on the GPU)."""
         return sum(h.numel() for h in self._host)
 
-    def sleep(self, offload: bool = True) -> int:
+    def sleep(self, offload: bool = True, keep_weights: bool = False) -> int:
         """Free the device memory of parameters, grads and optimizer state; returns bytes freed.
-        ``offload=False``: keep the masters and optimizer state on the device, copy nothing."""
+        ``offload=False``: keep the masters and optimizer state on the device, copy nothing.
+        ``keep_weights``: the parameters stay on the device, readable by the weight push, until
+        `drop_weights` (which then does for them what this sleep would have done)."""
         if self.asleep:
             return 0
         kept, freed_only = self._state()
         dropped = list(_storages(freed_only))
         dropped_keys = {s.data_ptr() for s in dropped}
         saved = [s for s in _storages(kept) if s.data_ptr() not in dropped_keys] if offload else []
+        held = {s.data_ptr() for s in _storages(self.model.parameters())} if keep_weights else set()
+        copied = []
         for storage, host in zip(saved, self._host_slices([s.nbytes() for s in saved]), strict=True):
+            if storage.data_ptr() in held:
+                self._held.append((storage, host))  # the same slice a full sleep would use
+                continue
             host.copy_(_bytes_view(storage), non_blocking=True)
-            self._saved.append((storage, host))
+            copied.append((storage, host))
+        self._held += [(s, None) for s in dropped if s.data_ptr() in held]
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the copies are done before their storages are freed
-        freed = sum(s.nbytes() for s in saved)
-        for storage in saved:
+        self._saved += copied
+        self.asleep = True
+        return self._free([s for s, _ in copied], [s for s in dropped if s.data_ptr() not in held])
+
+    @property
+    def weights_resident(self) -> bool:
+        """The parameters' bytes are on the device (awake, held by a ``keep_weights`` sleep, or
+        never moved: ``offload=False`` without masters)."""
+        return all(p.untyped_storage().nbytes() for p in self.model.parameters())
+
+    def drop_weights(self) -> int:
+        """Free the parameters a ``keep_weights`` sleep kept (copying those without masters to
+        their host slice first); returns bytes freed (0 when none are held)."""
+        if not self._held:
+            return 0
+        held, self._held = self._held, []
+        copied = [(s, h) for s, h in held if h is not None]
+        for storage, host in copied:
+            host.copy_(_bytes_view(storage), non_blocking=True)
+        if copied and self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._saved += copied
+        return self._free([s for s, _ in copied], [s for s, h in held if h is None])
+
+    def _free(self, copied: list[torch.UntypedStorage], dropped: list[torch.UntypedStorage]) -> int:
+        """Free storages whose bytes are on the host (``copied``) or need none (``dropped``, kept
+        with their size for the wake-up); give the allocator's cache back. Bytes freed."""
+        freed = sum(s.nbytes() for s in copied)
+        for storage in copied:
             storage.resize_(0)
         for storage in dropped:
             self._dropped.append((storage, storage.nbytes()))
@@ -166,13 +205,13 @@ class Offloader:
             if clear_cublas is not None:
                 clear_cublas()
             torch.cuda.empty_cache()
-        self.asleep = True
         return freed
 
     def wake_up(self) -> None:
         """Bring everything back where it was (grads come back zeroed)."""
         if not self.asleep:
             return
+        self.drop_weights()  # weights still held come back the one way everything else does
         if self.device.type == "cuda":
             _reserve_one_segment(
                 [h.numel() for _, h in self._saved] + [n for _, n in self._dropped], self.device

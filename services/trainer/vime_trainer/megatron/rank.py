@@ -173,13 +173,14 @@ class TrainRank:
         return out[0] if out and self.info.reports_metrics else None
 
     # --- memory (seed steps 37, 41) ---------------------------------------------------------
-    def sleep(self, offload: bool = True) -> dict[str, float]:
+    def sleep(self, offload: bool = True, keep_weights: bool = False) -> dict[str, float]:
         """Free accelerator memory (parameters, grads, optimizer state). ``offload=False`` keeps the
         optimizer's state on the GPU (`Offloader.sleep`) and refuses to when it would not leave the
-        engines their ``engine.gpu_memory_utilization``. Returns GiB: freed, and on the GPU the
-        peak allocated and reserved since the wake-up, what stays reserved while asleep, and how
-        often the allocator, out of room, freed its cache and tried again (``alloc_retries``: each
-        one a device-wide wait)."""
+        engines their ``engine.gpu_memory_utilization``. ``keep_weights``: the parameters stay
+        until `drop_weights`, so the weight push reads them on the device instead of copying the
+        CPU backup up. Returns GiB: freed, and on the GPU the peak allocated and reserved since
+        the wake-up, what stays reserved while asleep, and how often the allocator, out of room,
+        freed its cache and tried again (``alloc_retries``: each one a device-wide wait)."""
         gib = float(1 << 30)
         cuda = self.info.device.startswith("cuda")
         if cuda:
@@ -188,7 +189,7 @@ class TrainRank:
                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib,
                 "alloc_retries": float(_alloc_retries() - self._retries_at_wake),
             }
-        freed = {"freed_gib": self.offloader.sleep(offload) / gib}
+        freed = {"freed_gib": self.offloader.sleep(offload, keep_weights) / gib}
         if not cuda:
             return freed
         if not offload:
@@ -196,6 +197,15 @@ class TrainRank:
 
             check_room_for_engines(self.info.device, self.config.engine.gpu_memory_utilization)
         return freed | awake | {"asleep_reserved_gib": torch.cuda.memory_reserved() / gib}
+
+    def drop_weights(self) -> dict[str, float]:
+        """Free the parameters a ``keep_weights`` sleep kept (after the push read them). GiB freed
+        and, on the GPU, what stays reserved while asleep."""
+        gib = float(1 << 30)
+        out = {"freed_gib": self.offloader.drop_weights() / gib}
+        if self.info.device.startswith("cuda"):
+            out["asleep_reserved_gib"] = torch.cuda.memory_reserved() / gib
+        return out
 
     def wake_up(self) -> None:
         self.offloader.wake_up()
@@ -257,7 +267,8 @@ class TrainRank:
 
     # --- weight export (seed steps 48-50) ---------------------------------------------------
     def _export_source(self) -> dict[str, torch.Tensor]:
-        if self.asleep:
+        """The parameters where they are on the device, else (asleep) their CPU backup."""
+        if not self.offloader.weights_resident:
             return self.backup.get("actor")
         inner = self.passes.model
         return {n: p.detach() for n, p in inner.named_parameters()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,12 +75,16 @@ class DirectExporter:
         self.stream = group_into_buckets(tensors, self.plan, self.buffer_bytes)
 
     def next(self, slot: int) -> dict[str, Any] | None:
-        """Pack the next bucket into buffer ``slot``: its entries, bytes and checksum (None without buffers)."""
+        """Pack the next bucket into buffer ``slot``: its entries, bytes and checksum (None without
+        buffers), and the seconds spent making its HF tensors (``source_s``) and packing and
+        checksumming them (``pack_s``)."""
         if self.stream is None:
             raise RuntimeError("direct_next without direct_begin")
+        t0 = time.perf_counter()
         bucket = next(self.stream, None)
         if bucket is None:
             return None
+        t1 = time.perf_counter()
         value: str | None = None
         if self.buffers:
             buffer = self.buffers[slot]
@@ -87,7 +92,14 @@ class DirectExporter:
             value = str(checksum([buffer[o : o + n] for _, o, n in entries]))  # waits for the copies
         else:
             entries = bucket.entries()
-        return {"index": bucket.index, "params": entries, "nbytes": bucket.nbytes, "checksum": value}
+        return {
+            "index": bucket.index,
+            "params": entries,
+            "nbytes": bucket.nbytes,
+            "checksum": value,
+            "source_s": t1 - t0,
+            "pack_s": time.perf_counter() - t1,
+        }
 
     def end(self) -> None:
         close = getattr(self.stream, "close", None)

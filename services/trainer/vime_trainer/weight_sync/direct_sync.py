@@ -124,6 +124,10 @@ class DirectBucket:
     params: list[list[Any]]
     nbytes: int
     checksum: str
+    source_s: float = 0.0
+    """The slowest rank's seconds making the bucket's HF tensors."""
+    pack_s: float = 0.0
+    """The slowest rank's seconds packing and checksumming them."""
 
     @classmethod
     def from_exports(cls, exports: Sequence[dict[str, Any] | None]) -> DirectBucket | None:
@@ -139,7 +143,14 @@ class DirectBucket:
         sums = {e["checksum"] for e in done if e["checksum"] is not None}
         if len(sums) != 1:
             raise WeightSyncError(f"bucket {first['index']}: trainer ranks' checksums {sorted(sums)}")
-        return cls(int(first["index"]), first["params"], int(first["nbytes"]), sums.pop())
+        return cls(
+            int(first["index"]),
+            first["params"],
+            int(first["nbytes"]),
+            sums.pop(),
+            max(float(e.get("source_s", 0.0)) for e in done),
+            max(float(e.get("pack_s", 0.0)) for e in done),
+        )
 
 
 async def collective_rpc(client: EngineClient, method: str, *args: str) -> list[Any]:
@@ -316,8 +327,10 @@ class DirectSync(WeightSync):
         t0 = time.perf_counter()
         packing: asyncio.Future[list[dict[str, Any] | None]] | None = first
         slot = 0
+        parts = report.update_parts
         try:
             while packing is not None:
+                tw = time.perf_counter()
                 exports = await packing
                 packing = None
                 bucket = DirectBucket.from_exports(exports)
@@ -328,18 +341,28 @@ class DirectSync(WeightSync):
                 loading = asyncio.ensure_future(self._load_bucket(bucket, slot, engines, clients))
                 if self.slots > 1:  # the other buffer is free: every engine finished copying out of it
                     packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, following))
-                await loading
+                engine_s = await loading
                 if packing is None:
                     packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, following))
                 slot = following
                 report.buckets += 1
                 report.nbytes += bucket.nbytes
+                times = {
+                    "pack_wait_s": tb - tw,  # packing the loads did not hide
+                    "source_s": bucket.source_s,
+                    "pack_s": bucket.pack_s,
+                    "load_s": time.perf_counter() - tb,
+                    "engine_s": engine_s,
+                }
+                for k, v in times.items():
+                    parts[k] = parts.get(k, 0.0) + v
                 self.on_event(
                     "weights.update",
                     bucket=bucket.index,
                     nbytes=bucket.nbytes,
                     tensors=len(bucket.params),
-                    seconds=round(time.perf_counter() - tb, 4),
+                    seconds=round(times["load_s"], 4),
+                    **{k: round(v, 4) for k, v in times.items() if k != "load_s"},
                 )
         finally:
             if packing is not None:
@@ -351,7 +374,9 @@ class DirectSync(WeightSync):
 
     async def _load_bucket(
         self, bucket: DirectBucket, slot: int, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]
-    ) -> None:
+    ) -> float:
+        """Every engine copies the bucket out of ``slot`` and checks it; the slowest engine's own
+        seconds for that (the rest of the call is the control path's)."""
         payload = encode_load(self.session, slot, bucket.index, bucket.params)
         answers: dict[str, Any] = {}
 
@@ -361,13 +386,14 @@ class DirectSync(WeightSync):
         await _fan_out(LOAD, {e.url: one(e.url) for e in engines})
         nbytes = sum(int(n) for _, _, n in bucket.params)
         for url, results in answers.items():
-            got = results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
+            got = _answer(results)
             if int(got.get("bytes", -1)) != nbytes or str(got.get("checksum")) != bucket.checksum:
                 raise WeightSyncError(
                     f"bucket {bucket.index}: {url} holds {got.get('bytes')} bytes with checksum "
                     f"{got.get('checksum')} after the copy, the trainer packed {nbytes} with {bucket.checksum}; "
                     "the engines stay paused"
                 )
+        return max(float(_answer(r).get("seconds", 0.0)) for r in answers.values())
 
     async def aclose(self) -> None:
         """Engines drop the buffers, then the ranks free them (best effort: the run is ending); a
@@ -387,6 +413,11 @@ class DirectSync(WeightSync):
             except Exception as exc:
                 log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
             self.plan, self.rank_buffers = None, []
+
+
+def _answer(results: list[Any]) -> dict[str, Any]:
+    """The one worker's answer to a collective RPC ({} for anything else)."""
+    return results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
 
 
 async def _label(client: EngineClient, version: int) -> None:

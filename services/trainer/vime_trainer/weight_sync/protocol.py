@@ -68,6 +68,11 @@ class PushReport:
     phases: dict[str, float] = field(default_factory=dict)
     weight_load: str = "vllm"
     """How the engines loaded the weights: ``vllm`` (its weight loaders) or ``direct``."""
+    update_parts: dict[str, float] = field(default_factory=dict)
+    """Where the direct load's update went, summed over its buckets (seconds): ``pack_wait_s``
+    waiting on packing the loads did not hide, ``source_s`` / ``pack_s`` the slowest rank making
+    and packing the HF tensors, ``load_s`` the loads' calls, ``engine_s`` the slowest engine's own
+    copy and checksum inside them."""
 
 
 def engine_gone(exc: BaseException) -> bool:
