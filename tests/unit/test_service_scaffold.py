@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -146,3 +149,47 @@ async def test_unparseable_body_keeps_the_error_shape(client: httpx.AsyncClient)
     assert "message" in r.json()["error"]
     r = await client.get("/no/such/route")
     assert r.status_code == 404 and "message" in r.json()["error"]
+
+
+_FAILING_APP = """
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+app = FastAPI()
+
+
+@app.exception_handler(Exception)
+async def answer_500(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
+
+
+@app.post("/fail")
+async def fail() -> None:
+    raise RuntimeError("start_weight_update must be called before update_weights.")
+
+
+@app.post("/ok")
+async def ok() -> dict:
+    return {"ok": True}
+"""
+
+
+async def test_a_call_after_a_server_error_gets_its_own_connection(tmp_path: Path) -> None:
+    """vLLM's pattern: a 500 from an exception handler, after which uvicorn closes the connection
+    (Starlette re-raises; the traceback is logged first). The next call must not be sent on it."""
+    (tmp_path / "failing_app.py").write_text(_FAILING_APP)
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", "failing_app:app", "--port", str(port), "--log-level", "error"]
+    server = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    c = ServiceClient(f"http://127.0.0.1:{port}", retries=20, backoff_s=0.1)
+    try:
+        await c.request("POST", "/ok")  # up (connection errors are retried)
+        for _ in range(30):
+            with pytest.raises(ServiceCallError) as err:
+                await c.request("POST", "/fail")
+            assert err.value.status_code == 500
+            assert await c.request("POST", "/ok", retries=0) == {"ok": True}
+    finally:
+        await c.aclose()
+        server.terminate()
+        server.wait(10)

@@ -10,6 +10,7 @@ reply are not retried (the service is slow, not gone): they raise httpx's timeou
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable
 from dataclasses import replace
@@ -177,13 +178,27 @@ class ServiceClient:
                         raise GatewayStatus(response.status_code, error_message(response))
         except GatewayStatus:
             assert response is not None
+            await _drop_connection(response)
             return response
         except (*NOT_SENT, *REPLY_LOST) as exc:
             raise ServiceUnreachable(
                 f"{method} {self.base_url}{path} failed after {attempts} attempt(s): {type(exc).__name__}: {exc}"
             ) from exc
         assert response is not None
+        if response.status_code >= 500:
+            await _drop_connection(response)
         return response
+
+
+async def _drop_connection(response: httpx.Response) -> None:
+    """Close the connection a server error came on. Starlette re-raises the exception behind a
+    500 after sending it and uvicorn then closes the connection, without saying so in the reply
+    (vLLM's failed ``collective_rpc`` calls): a request sent on it meanwhile from the pool fails
+    with a ``ReadError`` it never caused."""
+    stream = response.extensions.get("network_stream")
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
 
 
 def _json_or_text(response: httpx.Response) -> Any:
