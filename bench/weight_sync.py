@@ -482,8 +482,12 @@ def main() -> int:
         problems = [f"{type(exc).__name__}: {exc}"]
         raise
     finally:
-        direct = out.get("direct", {}).get("from_gpu", {})
-        goal = {"direct_from_gpu_s": direct.get("median_sync_s"), "goal_s": 0.1}
+        goal: dict[str, Any] = {"goal_s": 0.1}  # pause → resume, per direct spec and kind of round
+        for spec, rounds in out.items():
+            if spec.startswith("direct") and isinstance(rounds, dict):
+                for label in ("from_gpu", "trainer_asleep"):
+                    if isinstance(rounds.get(label), dict):
+                        goal[f"{spec}_{label}_s"] = rounds[label].get("median_sync_s")
         emit(
             "weight_sync",
             transport=args.transport,
