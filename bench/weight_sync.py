@@ -99,10 +99,20 @@ def parse_args() -> argparse.Namespace:
     if args.bucket_mb is None:
         args.bucket_mb = 1024 if args.transport == "ipc" else 64
     for spec in args.weight_loads:
-        kind, _, mb = spec.partition("@")
-        if kind not in KINDS or (mb and not mb.isdigit()):
-            p.error(f"--weight-loads {spec}: KIND or KIND@MB with KIND one of {', '.join(KINDS)}")
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            p.error(f"--weight-loads {spec}: {exc}")
     return args
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """``KIND`` or ``KIND@MB``: the ``engine.weight_load`` value and the bucket size in MiB (None:
+    the config's)."""
+    kind, _, mb = spec.partition("@")
+    if kind not in KINDS or (mb and not mb.isdigit()):
+        raise ValueError(f"KIND or KIND@MB with KIND one of {', '.join(KINDS)}")
+    return kind, int(mb) if mb else None
 
 
 def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig:
@@ -144,9 +154,9 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
 
 def with_weight_load(cfg: RunConfig, spec: str) -> RunConfig:
     """``cfg`` with the spec's ``engine.weight_load`` (and bucket size, for ``KIND@MB``)."""
-    kind, _, mb = spec.partition("@")
+    kind, mb = parse_spec(spec)
     trainer = (
-        cfg.trainer.model_copy(update={"packed_buffer_size_bytes": int(mb) << 20}) if mb else cfg.trainer
+        cfg.trainer if mb is None else cfg.trainer.model_copy(update={"packed_buffer_size_bytes": mb << 20})
     )
     return cfg.model_copy(
         update={"engine": cfg.engine.model_copy(update={"weight_load": kind}), "trainer": trainer}
@@ -294,7 +304,7 @@ class Rounds:
     def _one(self, spec: str, trainer_sleeps: bool) -> dict[str, Any]:
         from vime_trainer.weight_sync.ipc import call_on_ranks
 
-        kind = spec.partition("@")[0]
+        kind, _ = parse_spec(spec)
         if kind == "direct" and self.direct not in (None, spec):
             asyncio.run(self.syncs[self.direct].aclose())
         if kind == "direct":
