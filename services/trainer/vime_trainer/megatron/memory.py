@@ -13,6 +13,10 @@ DDP's flat buffers and the optimizer's references all stay valid. What is copied
   each: they are its rounding (the optimizer writes them so after every step), so ``wake_up``
   rebuilds them on the device from the masters. 1.2 GB of the 0.6B shape's 8.4 GB each way.
 - Gradient buffers are dropped, not copied: they are zeroed before every step anyway.
+- ``sleep(keep_weights=True)`` (the loop's step 41) leaves the parameters where they are until
+  ``drop_weights``, right after the weight push has read them on the device (a D2D pack instead of
+  an H2D copy of the CPU backup); the drop then frees (or, without masters, copies) them as the
+  full sleep would have, so the engines' KV cache, woken after the push, has the same room.
 - ``wake_up`` first takes the whole size in one allocation and frees it, so the storages are
   carved from one cached segment rather than one ``cudaMalloc`` each (the sleep emptied the cache).
   On the H100 (0.6B shape, docs/benchmarks.md) sleep 0.178 s and wake 0.201 s, from 0.239 / 0.218.
@@ -27,7 +31,8 @@ On CPU the same path runs (the copy goes to ordinary memory), which is what lets
 that a sleep/wake cycle leaves results unchanged.
 
 `WeightBackup` keeps named CPU copies of this rank's parameters: ``"actor"`` after each training
-step (the weight push reads it while the model sleeps) and ``"ref"`` (the reference policy for
+step (a weight push reads it while the model sleeps without its weights: a catch-up push to a
+restarted engine, ``POST /v1/weights/push``) and ``"ref"`` (the reference policy for
 the KL term).
 """
 

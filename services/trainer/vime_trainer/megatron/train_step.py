@@ -153,7 +153,7 @@ class TrainStep:
 
             results.append(self.passes.step(mbs[bounds[s] : bounds[s + 1]], loss_fn))
         clock.mark("passes")
-        self.backup.backup("actor")  # seed step 41: the push reads this copy while the model sleeps
+        self.backup.backup("actor")  # seed step 41: pushes to engines while the model sleeps read it
         clock.mark("backup")
         results[0] |= clock.seconds
         return results
