@@ -124,7 +124,8 @@ class EngineConfig(Section):
     weight_load: Literal["auto", "vllm", "direct"] = "auto"
     """How pushed weights enter the engines. ``auto`` (resolved when the config loads): ``direct``
     when the weights travel by CUDA IPC (colocated on GPUs) to engines of one GPU each — there it
-    pushed a 0.6B model in half the time of ``vllm`` on an H200 (docs/benchmarks.md) — else
+    pushed the 0.6B shape in 0.055 s against 0.16–0.20 s with ``vllm`` on an H100, pause to
+    resume (docs/benchmarks.md, 12-07) — else
     ``vllm``. ``vllm``: vLLM's own ``/update_weights`` (its weight loaders; any model). ``direct``: a
     worker extension (``--worker-extension-cls``, vLLM's and the
     reference engine's) copies each bucket from the trainer's staging buffer straight into the
