@@ -97,12 +97,13 @@ def test_tp2_on_two_gpus_matches_tp1(
     assert losses[0]["grad_norm"] == pytest.approx(losses[1]["grad_norm"], rel=0.05)
 
 
-@pytest.mark.parametrize("offload", [True, False])
-def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool) -> None:
+@pytest.mark.parametrize(("offload", "keep_weights"), [(True, False), (False, False), (True, True)])
+def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool, keep_weights: bool) -> None:
     """Megatron's bf16 optimizer (fp32 masters, fused AdamW): a sleep frees the parameters, masters and
-    Adam state (without offload: the parameters only; the rest stays, nothing is copied), the wake-up
-    rebuilds the parameters from the masters, and training goes on bit for bit as on a twin that
-    never slept. (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
+    Adam state (without offload: the parameters only; the rest stays, nothing is copied; keeping
+    the weights: the parameters stay until `drop_weights`, as the loop's push reads them), the
+    wake-up rebuilds the parameters from the masters, and training goes on bit for bit as on a twin
+    that never slept. (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from vime_trainer.megatron.memory import Offloader, check_room_for_engines
@@ -133,7 +134,13 @@ def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool)
     base = torch.cuda.memory_allocated()
     state = sum(t.nbytes for s in opt.optimizer.state.values() for t in s.values())
     params = sum(p.nbytes for p in model.parameters())
-    offloader.sleep(offload)
+    offloader.sleep(offload, keep_weights)
+    if keep_weights:
+        assert offloader.weights_resident
+        assert torch.cuda.memory_allocated() <= base - state - params * 2  # masters and state went
+        assert torch.cuda.memory_allocated() >= params  # the bf16 parameters did not
+        offloader.drop_weights()
+    assert not offloader.weights_resident
     if offload:
         assert torch.cuda.memory_allocated() <= base - state - params - params * 2  # masters are fp32
         assert all(h.is_pinned() for h in offloader._host)
