@@ -177,9 +177,7 @@ class ServiceClient:
                     if idempotent and response.status_code in RETRYABLE_STATUS:
                         raise GatewayStatus(response.status_code, error_message(response))
         except GatewayStatus:
-            assert response is not None
-            await _drop_connection(response)
-            return response
+            pass  # the last retry's 502/503/504 is the answer
         except (*NOT_SENT, *REPLY_LOST) as exc:
             raise ServiceUnreachable(
                 f"{method} {self.base_url}{path} failed after {attempts} attempt(s): {type(exc).__name__}: {exc}"

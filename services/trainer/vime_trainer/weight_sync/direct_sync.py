@@ -378,22 +378,22 @@ class DirectSync(WeightSync):
         """Every engine copies the bucket out of ``slot`` and checks it; the slowest engine's own
         seconds for that (the rest of the call is the control path's)."""
         payload = encode_load(self.session, slot, bucket.index, bucket.params)
-        answers: dict[str, Any] = {}
+        answers: dict[str, dict[str, Any]] = {}
 
         async def one(url: str) -> None:
-            answers[url] = await collective_rpc(clients[url], LOAD, payload)
+            results = await collective_rpc(clients[url], LOAD, payload)  # one worker's answer
+            answers[url] = results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
 
         await _fan_out(LOAD, {e.url: one(e.url) for e in engines})
         nbytes = sum(int(n) for _, _, n in bucket.params)
-        for url, results in answers.items():
-            got = _answer(results)
+        for url, got in answers.items():
             if int(got.get("bytes", -1)) != nbytes or str(got.get("checksum")) != bucket.checksum:
                 raise WeightSyncError(
                     f"bucket {bucket.index}: {url} holds {got.get('bytes')} bytes with checksum "
                     f"{got.get('checksum')} after the copy, the trainer packed {nbytes} with {bucket.checksum}; "
                     "the engines stay paused"
                 )
-        return max(float(_answer(r).get("seconds", 0.0)) for r in answers.values())
+        return max(float(got.get("seconds", 0.0)) for got in answers.values())
 
     async def aclose(self) -> None:
         """Engines drop the buffers, then the ranks free them (best effort: the run is ending); a
@@ -413,11 +413,6 @@ class DirectSync(WeightSync):
             except Exception as exc:
                 log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
             self.plan, self.rank_buffers = None, []
-
-
-def _answer(results: list[Any]) -> dict[str, Any]:
-    """The one worker's answer to a collective RPC ({} for anything else)."""
-    return results[0] if len(results) == 1 and isinstance(results[0], dict) else {}
 
 
 async def _label(client: EngineClient, version: int) -> None:
