@@ -7,7 +7,7 @@ With two GPUs (kind nvidia-h200-x2) the TP=2 test runs as well.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -103,23 +103,32 @@ def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool,
     Adam state (without offload: the parameters only; the rest stays, nothing is copied; keeping
     the weights: the parameters stay until `drop_weights`, as the loop's push reads them), the
     wake-up rebuilds the parameters from the masters, and training goes on bit for bit as on a twin
-    that never slept. (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
+    that never slept. The wake-up returns before Adam's state is back (side stream): the step waits
+    for it through `state_ready`, as `Passes.step` does, and so does a sleep right after a wake-up;
+    the state is large enough (140 MB) that a step not waiting would read it half copied.
+    (tests/unit/trainer/test_offloader.py: the same on CPU with a stand-in.)"""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from vime_trainer.megatron.memory import Offloader, check_room_for_engines
 
     def build() -> tuple[torch.nn.Module, Float16OptimizerWithFloat16Params]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 64))
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 8192), torch.nn.Tanh(), torch.nn.Linear(8192, 64))
         model = model.to("cuda", torch.bfloat16)
         config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         return model, Float16OptimizerWithFloat16Params(inner, config, None, lambda *_: None)
 
-    def step(model: torch.nn.Module, opt: Float16OptimizerWithFloat16Params, seed: int) -> None:
-        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+    def step(
+        model: torch.nn.Module,
+        opt: Float16OptimizerWithFloat16Params,
+        seed: int,
+        state_ready: Callable[[], None] = lambda: None,
+    ) -> None:
+        x = torch.randn(64, 2048, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
         model(x).float().square().mean().backward()
         opt._copy_model_grads_to_main_grads()
+        state_ready()
         opt.optimizer.step()
         opt._copy_main_params_to_model_params()
 
@@ -153,8 +162,12 @@ def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool,
             check_room_for_engines("cuda:0", 1.0)  # engines asking for the whole GPU leave no room
     offloader.wake_up()
     assert torch.cuda.memory_allocated() == base
+    if offload:
+        assert offloader._state_copied is not None  # Adam's state still on its way in
+        offloader.sleep()  # reads the state out only once it is back
+        offloader.wake_up()
     for seed in (3, 4):
-        step(model, opt, seed)
+        step(model, opt, seed, offloader.state_ready)
         step(twin, twin_opt, seed)
     for a, b in zip(
         [*model.parameters(), *opt.fp32_from_float16_groups[0]],

@@ -31,10 +31,19 @@ LossFn = Callable[[int, MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str,
 class Passes:
     """Runs the schedule for one DDP-wrapped model."""
 
-    def __init__(self, ddp: Any, optimizer: Any, use_local_attention: bool) -> None:
+    def __init__(
+        self,
+        ddp: Any,
+        optimizer: Any,
+        use_local_attention: bool,
+        state_ready: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``state_ready``: called right before each optimizer step (`Offloader.state_ready`: the
+        optimizer's state, copied in on a side stream since the wake-up, must be there)."""
         self.ddp = ddp
         self.optimizer = optimizer
         self.use_local_attention = use_local_attention
+        self.state_ready = state_ready
 
     @property
     def model(self) -> PolicyModel:
@@ -74,6 +83,7 @@ class Passes:
         self.optimizer.zero_grad()
         outputs = self.run(mbs, loss_fn, forward_only=False)
         with record_function(OPTIMIZER_RANGE):
+            self.state_ready()
             ok, grad_norm, _ = self.optimizer.step()
         metrics = reduce_metrics(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

@@ -80,7 +80,12 @@ class TrainRank:
         if c.kl_coef > 0:
             self.backup.backup("ref")
         self.offloader = Offloader(self.ddp, self.optimizer, self.info.device)
-        self.passes = Passes(self.ddp, self.optimizer, use_local_attention=not c.trainer.use_sdpa)
+        self.passes = Passes(
+            self.ddp,
+            self.optimizer,
+            use_local_attention=not c.trainer.use_sdpa,
+            state_ready=self.offloader.state_ready,
+        )
         self.steps = TrainStep(self.passes, c, self.backup, self.info.device, self.info.dp_size)
         self._ready = True
         return asdict(self.info)
@@ -240,6 +245,7 @@ class TrainRank:
         from vime_trainer.megatron.checkpoint import save_checkpoint
 
         self._require_awake()
+        self.offloader.state_ready()
         meta = {
             "layout": {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size},
             "architecture": self.arch.to_dict(),
@@ -256,6 +262,7 @@ class TrainRank:
         from vime_trainer.megatron.checkpoint import latest_checkpoint, load_checkpoint
 
         self._require_awake()
+        self.offloader.state_ready()  # a late copy of the old state must not land on the loaded one
         if path is None:
             found = latest_checkpoint(self.config.trainer.checkpoint_dir)
             if found is None:

@@ -36,7 +36,8 @@ MICRO_BATCH_RANGE = "vime/micro_batches"
 
 class PhaseClock:
     """Seconds of each part of a rank's training, as ``t_<part>_s`` metrics. On the GPU each mark
-    waits for the device first, so a part is charged its kernels rather than their launches."""
+    waits for the compute stream first, so a part is charged its kernels rather than their
+    launches (not for the side stream that brings the optimizer's state back after a wake-up)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -44,7 +45,7 @@ class PhaseClock:
 
     def mark(self, part: str) -> None:
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         now = time.perf_counter()
         self.seconds[f"t_{part}_s"] = self.seconds.get(f"t_{part}_s", 0.0) + now - self._last
         self._last = now
