@@ -11,7 +11,12 @@ from contract_support import EngineUnderTest, HFReference, debug_state, greedy
 
 from vime.clients.engine import EngineClient
 from vime.wire.engine import EngineVersion
-from vime.wire.vllm import COMPACT_GENERATE_PATH, build_sampling_params, parse_generate_response
+from vime.wire.vllm import (
+    COMPACT_GENERATE_PATH,
+    OUTPUT_KIND_FINAL_ONLY,
+    build_sampling_params,
+    parse_generate_response,
+)
 
 PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
 
@@ -133,7 +138,12 @@ async def test_seeds_and_n_choices(engine: EngineClient, hf: HFReference, eut: E
     assert (await engine.generate(PROMPT, sp)).token_ids == a.token_ids
     assert (await engine.generate(PROMPT, {**sp, "seed": 99})).token_ids != a.token_ids
 
-    out = await engine.generate_raw({"token_ids": PROMPT, "sampling_params": {**sp, "n": 3}})
+    # As vime sends it (`build_sampling_params`): FINAL_ONLY. Left at vLLM 0.26's default
+    # (CUMULATIVE), a non-streaming n > 1 request answers only the choices that finished in the
+    # last step (`ParentRequest.get_outputs` aggregates the n outputs for FINAL_ONLY alone): on an
+    # H100 on 12-07 choices 1 and 2 came back without 0, which had finished one step earlier.
+    final_only = {"output_kind": OUTPUT_KIND_FINAL_ONLY}
+    out = await engine.generate_raw({"token_ids": PROMPT, "sampling_params": {**sp, "n": 3, **final_only}})
     choices = out["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices) == 30

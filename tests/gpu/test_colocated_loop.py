@@ -264,6 +264,13 @@ def check_memory(
             f"{name}: the trainer kept {kept} MiB after the push "
             f"(MiB per process before: {w_on.detail}, after: {loaded.detail})"
         )
+    if gpu and w_on.detail and kv_on.detail:  # the weights the sleep kept for the push went after it
+        dropped_mib = trainer_mib(w_on.detail) - trainer_mib(kv_on.detail)
+        if dropped_mib < (weight_bytes >> 20) // 2:
+            problems.append(
+                f"{name}: the trainer gave back only {dropped_mib} MiB after the push "
+                f"(MiB per process at the weights' wake-up: {w_on.detail}, at the KV cache's: {kv_on.detail})"
+            )
     if step.rollout_id is None:
         return problems
     off, done = step.first("POST /v1/engines/offload"), step.first("POST /v1/training-completed")
@@ -290,13 +297,14 @@ def trainer_mib(detail: dict[str, int]) -> int:
 def trainer_memory(
     name: str, engines_off: int, trained: int, peak: int | None, weight_bytes: int, one_time_mib: int
 ) -> list[str]:
-    """While the engines sleep the trainer takes memory (≥ bf16 weights + grads) and gives it back."""
+    """While the engines sleep the trainer takes memory (≥ bf16 weights + grads) and gives it back,
+    all but its bf16 weights, which the push reads on the GPU before they go too (`check_memory`)."""
     if peak is None:
         return [f"{name}: no memory sample during training"]
     taken, kept = peak - engines_off, trained - engines_off
     problems = []
     if taken < 2 * weight_bytes:
         problems.append(f"{name}: the trainer took only {taken >> 20} MiB while training")
-    if kept > (256 + one_time_mib) * MIB + taken // 10:
+    if kept > weight_bytes + (256 + one_time_mib) * MIB + taken // 10:
         problems.append(f"{name}: {kept >> 20} MiB still held after the trainer slept")
     return problems

@@ -175,3 +175,10 @@ def test_offloader_cycle_with_megatrons_mixed_precision_optimizer(offload: bool,
         strict=True,
     ):
         assert torch.equal(a, b)
+    if keep_weights:  # after a wake-up: the masters' and the state's segment goes back whole
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        offloader.sleep(keep_weights=True)
+        assert reserved - torch.cuda.memory_reserved() >= state + params * 2
+        offloader.drop_weights()

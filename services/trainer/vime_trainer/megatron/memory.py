@@ -17,9 +17,12 @@ DDP's flat buffers and the optimizer's references all stay valid. What is copied
   ``drop_weights``, right after the weight push has read them on the device (a D2D pack instead of
   an H2D copy of the CPU backup); the drop then frees (or, without masters, copies) them as the
   full sleep would have, so the engines' KV cache, woken after the push, has the same room.
-- ``wake_up`` first takes the whole size in one allocation and frees it, so the storages are
-  carved from one cached segment rather than one ``cudaMalloc`` each (the sleep emptied the cache).
-  On the H100 (0.6B shape, docs/benchmarks.md) sleep 0.178 s and wake 0.201 s, from 0.239 / 0.218.
+- ``wake_up`` first takes the parameters' size in one allocation and frees it, then the rest's, so
+  the storages are carved from two cached segments rather than one ``cudaMalloc`` each (the sleep
+  emptied the cache). On the H100 (0.6B shape, docs/benchmarks.md) sleep 0.178 s and wake 0.201 s
+  with one segment, from 0.239 / 0.218. The parameters have a segment of their own so that a
+  ``keep_weights`` sleep gives the other back whole: with one for everything, the kept parameters
+  held all of it (13.8 GB more than the weights in the H100's loop test, 12-07).
 - On the GPU ``wake_up`` returns once the parameters are back: the optimizer's state (Adam's two
   moments, 8 of the 12 bytes copied per parameter) is copied on a side stream while the forward
   and backward passes run, and `state_ready` makes the compute stream wait for it (a GPU-side
@@ -237,18 +240,19 @@ class Offloader:
             return
         self.drop_weights()  # weights still held come back the one way everything else does
         cuda = self.device.type == "cuda"
-        if cuda:
-            _reserve_one_segment(
-                [h.numel() for _, h in (*self._saved, *self._saved_state)] + [n for _, n in self._dropped],
-                self.device,
-            )
-        for storage, host in (*self._saved, *self._saved_state):
-            storage.resize_(host.numel())
+        sizes = [(s, h.numel()) for s, h in (*self._saved, *self._saved_state)] + self._dropped
+        params = {p.untyped_storage()._cdata for p in self.model.parameters()}
+        for part in (
+            [x for x in sizes if x[0]._cdata in params],
+            [x for x in sizes if x[0]._cdata not in params],
+        ):
+            if cuda:  # the parameters' own segment: a keep_weights sleep must free all the others
+                _reserve_one_segment([n for _, n in part], self.device)
+            for storage, n in part:
+                storage.resize_(n)
         for storage, host in self._saved:
             _bytes_view(storage).copy_(host, non_blocking=True)
         self._copy_state_in()
-        for storage, n in self._dropped:
-            storage.resize_(n)
         if self._rebuild:
             with torch.no_grad():
                 for opt in _chained(self.optimizer):
