@@ -22,7 +22,7 @@ DDP's flat buffers and the optimizer's references all stay valid. What is copied
   emptied the cache). On the H100 (0.6B shape, docs/benchmarks.md) sleep 0.178 s and wake 0.201 s
   with one segment, from 0.239 / 0.218. The parameters have a segment of their own so that a
   ``keep_weights`` sleep gives the other back whole: with one for everything, the kept parameters
-  held all of it (13.8 GB more than the weights in the H100's loop test, 12-07).
+  held all of it (13,832 MiB for 1.2 GB of weights in the H100's loop test, 12-07).
 - On the GPU ``wake_up`` returns once the parameters are back: the optimizer's state (Adam's two
   moments, 8 of the 12 bytes copied per parameter) is copied on a side stream while the forward
   and backward passes run, and `state_ready` makes the compute stream wait for it (a GPU-side
