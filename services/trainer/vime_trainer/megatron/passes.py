@@ -36,7 +36,7 @@ class Passes:
         ddp: Any,
         optimizer: Any,
         use_local_attention: bool,
-        state_ready: Callable[[], None] = lambda: None,
+        state_ready: Callable[[], None],
     ) -> None:
         """``state_ready``: called right before each optimizer step (`Offloader.state_ready`: the
         optimizer's state, copied in on a side stream since the wake-up, must be there)."""
