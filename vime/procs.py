@@ -24,22 +24,30 @@ import httpx
 
 from vime.retry import poll_until_blocking
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process has chosen already: two choices made before either is bound never meet."""
+PORT_RANGE = (20000, 30000)
+"""Below the kernel's ephemeral range (32768+ on Linux): no outgoing connection of any process
+takes a port here between its choice and its bind (the CI saw a route filter's port, chosen by
+``bind(0)`` in the ephemeral range, taken before Caddy bound it)."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on right now, chosen as `free_port_run` chooses."""
+    return free_port_run(1, host)
 
 
-def free_port_run(n: int = 1, host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:
-    """The first of ``n`` consecutive bindable ports, below the kernel's ephemeral range
-    (32768+ on Linux), where no port the OS hands to another process can land between this
-    choice and the bind (engines take base_port + k, chosen before they start)."""
+def free_port_run(n: int = 1, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive bindable ports in ``PORT_RANGE`` that this process has not
+    handed out before (engines take base_port + k, chosen before they start)."""
+    low, high = PORT_RANGE
+    if len(_HANDED_OUT) > (high - low) // 2:
+        _HANDED_OUT.clear()
     rng = random.Random()
     for _ in range(500):
-        base = rng.randrange(low, high - n)
-        if all(_bindable(host, base + k) for k in range(n)):
+        run = range(base := rng.randrange(low, high - n + 1), base + n)
+        if not _HANDED_OUT.intersection(run) and all(_bindable(host, p) for p in run):
+            _HANDED_OUT.update(run)
             return base
     raise RuntimeError(f"no {n} consecutive free ports in {low}-{high}")
 

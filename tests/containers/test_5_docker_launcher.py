@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from vime_rollout.engines.gate import CONTAINER_DIR, behind_gates
 from vime_rollout.engines.launchers import DockerLauncher
 from vime_rollout.engines.spec import plan_engines
 
+from vime import procs
 from vime.config import load_config
 from vime.models.tiny import build_tiny_qwen3
 from vime.retry import poll_until_blocking
@@ -42,12 +42,6 @@ def shared_dir() -> Iterator[Path]:
     shutil.rmtree(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serving(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
@@ -63,7 +57,11 @@ def test_the_docker_launcher_runs_and_restarts_a_reference_engine_container(shar
     logs.mkdir()
     logs.chmod(0o777)  # the image's user writes there (mkdir's mode is cut by the umask)
     cfg = load_config(
-        overrides=["engine.launcher=docker", "engine.backend=reference", f"engine.base_port={_free_port()}"]
+        overrides=[
+            "engine.launcher=docker",
+            "engine.backend=reference",
+            f"engine.base_port={procs.free_port_run()}",
+        ]
     )
     [spec] = behind_gates(plan_engines(cfg, gpus=[])[:1], CONTAINER_DIR)  # as the factory plans it
     command = engine_command(cfg, spec, str(model), "micro")

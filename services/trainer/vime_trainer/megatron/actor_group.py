@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from vime import procs
 from vime.config import RunConfig
 from vime_trainer.batches import BatchRef, TrainResult
 from vime_trainer.megatron.rank import TrainRank
@@ -56,10 +56,7 @@ class RankActor(TrainRank):
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port for the process-group rendezvous (asked of rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), procs.free_port("")
 
 
 class ActorGroup:
