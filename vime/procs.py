@@ -8,6 +8,8 @@ to a log file, and a stop is SIGTERM, then SIGKILL after a grace period.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import random
 import shutil
@@ -15,7 +17,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +28,14 @@ import httpx
 
 from vime.retry import poll_until_blocking
 
-_HANDED_OUT: set[int] = set()
-"""Ports this process has chosen already: two choices made before either is bound never meet."""
-PORT_RANGE = (20000, 30000)
+PORT_RANGE = (20000, 32768)
 """Below the kernel's ephemeral range (32768+ on Linux): no outgoing connection of any process
 takes a port here between its choice and its bind (the CI saw a route filter's port, chosen by
 ``bind(0)`` in the ephemeral range, taken before Caddy bound it)."""
+CLAIMS_FILE = Path(tempfile.gettempdir()) / f"vime-port-claims-{os.getuid()}.json"
+"""Ports chosen on this machine in the last `CLAIM_TTL_S` by any process of this user (a launcher,
+a service choosing its private ports, a test): two choices made before either is bound never meet."""
+CLAIM_TTL_S = 600.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,18 +44,38 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_port_run(n: int = 1, host: str = "127.0.0.1") -> int:
-    """The first of ``n`` consecutive bindable ports in ``PORT_RANGE`` that this process has not
-    handed out before (engines take base_port + k, chosen before they start)."""
+    """The first of ``n`` consecutive bindable ports in ``PORT_RANGE`` that no process on this
+    machine chose in the last `CLAIM_TTL_S` (engines take base_port + k, chosen before they start)."""
     low, high = PORT_RANGE
-    if len(_HANDED_OUT) > (high - low) // 2:
-        _HANDED_OUT.clear()
     rng = random.Random()
-    for _ in range(500):
-        run = range(base := rng.randrange(low, high - n + 1), base + n)
-        if not _HANDED_OUT.intersection(run) and all(_bindable(host, p) for p in run):
-            _HANDED_OUT.update(run)
-            return base
+    with _claims() as claimed:
+        for _ in range(500):
+            base = rng.randrange(low, high - n + 1)
+            run = [str(p) for p in range(base, base + n)]
+            if not claimed.keys() & set(run) and all(_bindable(host, int(p)) for p in run):
+                claimed.update(dict.fromkeys(run, time.time()))
+                return base
     raise RuntimeError(f"no {n} consecutive free ports in {low}-{high}")
+
+
+@contextlib.contextmanager
+def _claims() -> Iterator[dict[str, float]]:
+    """The live claims, under an exclusive lock of `CLAIMS_FILE`; what the block adds is saved."""
+    with open(CLAIMS_FILE, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            claims = {k: float(v) for k, v in json.loads(f.read() or "{}").items()}
+        except (ValueError, AttributeError, TypeError):
+            claims = {}  # a file cut short by a killed writer: start afresh
+        now = time.time()
+        live = sorted((t, k) for k, t in claims.items() if now - t < CLAIM_TTL_S)
+        keep = (PORT_RANGE[1] - PORT_RANGE[0]) // 2  # never so many that no choice is left
+        claims = {k: t for t, k in live[-keep:]}
+        yield claims
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(claims))
 
 
 def _bindable(host: str, port: int) -> bool:
