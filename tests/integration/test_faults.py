@@ -234,13 +234,12 @@ def test_the_only_engine_killed_inside_a_rollout_is_restarted_and_caught_up(stac
     engine = stack.engine()
     assert engine["restarts"] >= 1 and engine["pid"] != killed[0]
     assert engine["status"] == "ready" and engine["weight_version"] == run.status["weight_version"]
-    pushes = [
-        (e["rollout_id"], e["detail"]["version"]) for e in run.events if e["action"] == "weights.loaded"
-    ]
-    # A catch-up push repeats the version before it (a step's push brings the next one): in the
-    # faulted rollout, or in the next when the kill came after the last generate returned.
-    catch_ups = [at for (at, v), (_, before) in zip(pushes[1:], pushes, strict=False) if v == before]
-    assert len(catch_ups) == 1 and catch_ups[0] in (run.landed[0], run.landed[0] + 1), pushes
+    loaded = [(e["rollout_id"], e["detail"]) for e in run.events if e["action"] == "weights.loaded"]
+    # One catch-up push brought the restarted engine the version: in the faulted rollout, or in the
+    # next when the kill came after the last generate returned. A push that found the engine gone
+    # (killed, not yet seen dead) loaded nothing and does not count.
+    catch_ups = [at for at, d in loaded if d["catch_up"] and d["engines"]]
+    assert len(catch_ups) == 1 and catch_ups[0] in (run.landed[0], run.landed[0] + 1), loaded
 
 
 def test_the_only_engine_killed_while_the_engines_sleep_is_restarted_after_the_training(

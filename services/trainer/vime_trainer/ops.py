@@ -278,6 +278,8 @@ class RunOps:
         self.events.record(
             "weights.loaded",
             version=version,
+            engines=report.engines,
+            catch_up=stale_only,
             buckets=report.buckets,
             nbytes=report.nbytes,
             weight_load=report.weight_load,

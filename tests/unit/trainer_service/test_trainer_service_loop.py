@@ -251,6 +251,11 @@ async def test_a_restarted_engine_gets_the_current_weights_before_the_next_rollo
     await run.go()
     loaded = [v for name, v in run.rollout.calls if name == "weights_loaded"]
     assert loaded[2] == (2, ("http://e1",))  # the catch-up push: current version, that engine only
+    events = [e.detail for e in run.events.events if e.action == "weights.loaded"]
+    assert [(d["version"], d["engines"], d["catch_up"]) for d in events][1:3] == [
+        (2, ["http://e0", "http://e1"], False),
+        (2, ["http://e1"], True),
+    ]
     assert run.actions(1)[:2] == ["weights.push", "weights.pause"]
     assert run.rollout.calls.index(("rollout", 1)) > run.rollout.calls.index(("weights_loaded", loaded[2]))
 
