@@ -334,7 +334,7 @@ class RunOps:
                 except Exception as exc:
                     log.warning("catching up a restarted engine: %s: %s", type(exc).__name__, exc)
                 else:
-                    if pushed is not None:
+                    if pushed is not None and pushed.engines:  # none: gone at the pause, not yet seen dead
                         log.info(
                             "engine(s) %s caught up to v%d during the rollout", pushed.engines, pushed.version
                         )
