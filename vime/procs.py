@@ -51,21 +51,22 @@ def free_port_run(n: int = 1, host: str = "127.0.0.1") -> int:
     with _claims() as claimed:
         for _ in range(500):
             base = rng.randrange(low, high - n + 1)
-            run = [str(p) for p in range(base, base + n)]
-            if not claimed.keys() & set(run) and all(_bindable(host, int(p)) for p in run):
+            run = range(base, base + n)
+            if claimed.keys().isdisjoint(run) and all(_bindable(host, p) for p in run):
                 claimed.update(dict.fromkeys(run, time.time()))
                 return base
     raise RuntimeError(f"no {n} consecutive free ports in {low}-{high}")
 
 
 @contextlib.contextmanager
-def _claims() -> Iterator[dict[str, float]]:
-    """The live claims, under an exclusive lock of `CLAIMS_FILE`; what the block adds is saved."""
+def _claims() -> Iterator[dict[int, float]]:
+    """The live claims (port: when), under an exclusive lock of `CLAIMS_FILE`; what the block adds
+    is saved."""
     with open(CLAIMS_FILE, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
         try:
-            claims = {k: float(v) for k, v in json.loads(f.read() or "{}").items()}
+            claims = {int(k): float(v) for k, v in json.loads(f.read() or "{}").items()}
         except (ValueError, AttributeError, TypeError):
             claims = {}  # a file cut short by a killed writer: start afresh
         now = time.time()
