@@ -23,7 +23,7 @@ from vime_trainer.megatron.fused import (
     rotate,
     use_fused_kernels,
 )
-from vime_trainer.megatron.logprobs import _compiled_stats, local_stats
+from vime_trainer.megatron.logprobs import compiled_stats, local_stats
 
 SEQ, BATCH, HEADS, DIM = 7, 2, 3, 16
 
@@ -135,12 +135,29 @@ def test_compiled_log_prob_stats_equal_eager_in_bf16(rows: int, entropy_grad: bo
     logits = (torch.randn(rows, 1000, device="cuda") * 4).to(torch.bfloat16)
     targets = torch.randint(0, 1000, (rows,), device="cuda")
     targets[0] = -1  # the target lies in another TP rank's slice
-    got, got_grad = _stats_and_grads(_compiled_stats(), logits, targets, entropy_grad)
+    got, got_grad = _stats_and_grads(compiled_stats, logits, targets, entropy_grad)
     want, want_grad = _stats_and_grads(local_stats, logits, targets, entropy_grad)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     assert got[1][0] == 0  # nothing picked from another slice
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_compiled_log_prob_stats_compile_once_for_every_chunk_length() -> None:
+    """The first chunk length does not specialise the graph: a later, shorter chunk reuses it.
+
+    Compiled for the CPU here (the GPU step's kernels come from the same graph); a recompile raises.
+    """
+    torch._dynamo.reset()
+    for call, rows in enumerate((64, 37, 5)):
+        logits = torch.randn(rows, 256) * 4
+        targets = torch.randint(0, 256, (rows,))
+        with torch._dynamo.config.patch(error_on_recompile=call > 0):
+            got, got_grad = _stats_and_grads(compiled_stats, logits, targets, True)
+        want, want_grad = _stats_and_grads(local_stats, logits, targets, True)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
 
 
 def _norm_grads(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ The loss needs one log-prob per response token, not full-vocabulary fp32 logits 
 of the batch (9 GB at 8 × 2048 tokens × 152k vocab). So only the hidden states that predict
 response tokens are gathered, and they go through the output layer ``chunk_size`` tokens at a
 time; each chunk's logits are upcast to fp32, reduced to (log-prob, entropy), and dropped (on the
-GPU fused by ``torch.compile``, `local_stats`). While
+GPU fused by ``torch.compile``, `compiled_stats`). While
 training, each chunk runs under activation checkpointing, so backward recomputes its logits
 instead of keeping every chunk's alive: no more than one chunk's ``[chunk, vocab]`` fp32 tensors
 exist at a time, for the log-probs and the entropy alike. Under TP each rank holds a vocabulary
@@ -46,7 +46,7 @@ def local_stats(
     """This rank's sums over its vocabulary slice: (Σ exp, the target's shifted logit, Σ exp·shifted).
 
     ``shifted`` is ``logits / temperature − shift`` in fp32; ``local_target`` is −1 where the target
-    is in another rank's slice (its term is 0). On the GPU this runs compiled (`_compiled_stats`):
+    is in another rank's slice (its term is 0). On the GPU this runs compiled (`compiled_stats`):
     a few fused kernels forward and backward instead of one per operation over ``[n, vocab/tp]``
     (the 4B step's output layer + log-prob pass went from 229 to 127 ms on the H200).
     """
@@ -67,9 +67,29 @@ def local_stats(
 
 @cache
 def _compiled_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    # the chunk's row count changes (the last chunk is shorter): the default automatic-dynamic
-    # recompiles once and then treats it as symbolic, keeping the vocabulary size static
     return torch.compile(local_stats)
+
+
+def compiled_stats(
+    logits: torch.Tensor,
+    shift: torch.Tensor,
+    local_target: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`local_stats` compiled with the row count symbolic from the first call, the vocabulary static.
+
+    A chunk's row count is whatever is left of a micro-batch's response tokens. Left to torch's
+    automatic dynamic shapes, the first graph is specialised to its row count and the first other
+    count recompiles it, forward and backward, in the middle of a step: on the H100, after steps
+    whose samples were all 1,024 tokens long, the first step with a shorter one trained 2.4 s
+    longer, the GPU idle meanwhile (docs/benchmarks.md).
+    """
+    for t in (logits, shift, local_target):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.mark_static(logits, 1)
+    return _compiled_stats()(logits, shift, local_target, temperature, with_entropy, entropy_grad)
 
 
 def token_stats(
@@ -94,7 +114,7 @@ def token_stats(
     vocab = logits.shape[-1]
     local_target = targets - ps.get_tensor_model_parallel_rank() * vocab
     local_target = torch.where((local_target >= 0) & (local_target < vocab), local_target, -1)
-    stats = _compiled_stats() if logits.is_cuda else local_stats
+    stats = compiled_stats if logits.is_cuda else local_stats
     sum_exp, picked, weighted = stats(
         logits, local_max, local_target, temperature, with_entropy, entropy_grad
     )
