@@ -193,3 +193,33 @@ async def test_a_call_after_a_server_error_gets_its_own_connection(tmp_path: Pat
         await c.aclose()
         server.terminate()
         server.wait(10)
+
+
+def test_what_a_service_builds_at_start_is_frozen_out_of_the_collectors_scans() -> None:
+    """Built in the lifespan: frozen once start-up is done; made while serving: scanned as usual."""
+    import gc
+    from contextlib import asynccontextmanager
+
+    from fastapi.testclient import TestClient
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: tracked by the collector
+
+    def scanned(obj: object) -> bool:
+        return any(o is obj for o in gc.get_objects())
+
+    @asynccontextmanager
+    async def lifespan(app):  # type: ignore[no-untyped-def]
+        app.state.kept = Node()
+        assert scanned(app.state.kept)
+        yield
+
+    app = create_app("demo", lifespan=lifespan)
+    try:
+        with TestClient(app):
+            assert not scanned(app.state.kept)
+            later = Node()
+            assert scanned(later)
+    finally:
+        gc.unfreeze()
