@@ -71,14 +71,10 @@ def _compiled_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def compiled_stats(
-    logits: torch.Tensor,
-    shift: torch.Tensor,
-    local_target: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    entropy_grad: bool,
+    logits: torch.Tensor, shift: torch.Tensor, local_target: torch.Tensor, *options: float | bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`local_stats` compiled with the row count symbolic from the first call, the vocabulary static.
+    """`local_stats` (its ``options`` are the temperature and the two entropy flags) compiled with
+    the row count symbolic from the first call, the vocabulary size static.
 
     A chunk's row count is whatever is left of a micro-batch's response tokens. Left to torch's
     automatic dynamic shapes, the first graph is specialised to its row count and the first other
@@ -89,7 +85,7 @@ def compiled_stats(
     for t in (logits, shift, local_target):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.mark_static(logits, 1)
-    return _compiled_stats()(logits, shift, local_target, temperature, with_entropy, entropy_grad)
+    return _compiled_stats()(logits, shift, local_target, *options)
 
 
 def token_stats(
