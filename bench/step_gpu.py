@@ -285,7 +285,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
         )
     console.print(table)
     steady = steps[1:] or steps
-    parts = sorted({k for s in steady for k in s if k.startswith(("rank_t_", "trainer_"))})
+    parts = sorted({k for s in steady for k in s if k.startswith(("rank_t_", "rank_compiled", "trainer_"))})
     keys = ("T_step", *STEP_PHASES, "transitions", "transitions_frac", "pause_to_resume_s", "GBps", *parts)
     median = {
         k: round(statistics.median(s[k] for s in steady if k in s), 4)
@@ -299,10 +299,15 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
 
 
 def rank_parts(row: dict[str, Any]) -> dict[str, float]:
-    """Where ``T_train`` went: the training rank's parts (``train/t_*_s``) as ``rank_t_*_s``, and
+    """Where ``T_train`` went: the training rank's parts (``train/t_*_s``) as ``rank_t_*_s`` and the
+    graphs it compiled (``rank_compiled_graphs``: a steady step should have none), and
     the trainer's wake-up and sleep (``trainer/*_s``) and its memory (``trainer/peak_gib``, the
     step's peak; ``trainer/asleep_reserved_gib``, what it holds while the engines run) as ``trainer_*``."""
-    parts = {f"rank_{k.removeprefix('train/')}": float(v) for k, v in row.items() if k.startswith("train/t_")}
+    parts = {
+        f"rank_{k.removeprefix('train/')}": float(v)
+        for k, v in row.items()
+        if k.startswith(("train/t_", "train/compiled_graphs"))
+    }
     return parts | {k.replace("/", "_"): float(v) for k, v in row.items() if k.startswith("trainer/")}
 
 
@@ -310,6 +315,7 @@ COMPARED = (
     "T_step",
     "train",
     "rank_t_passes_s",
+    "rank_compiled_graphs",
     "trainer_wake_s",
     "trainer_sleep_s",
     "trainer_freed_gib",

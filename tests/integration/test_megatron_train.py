@@ -62,6 +62,7 @@ def test_seed_loss_at_ratio_one(tp1: ActorGroup, publish: Publisher) -> None:
         assert set(parts) == {"t_read_s", "t_micro_batches_s", "t_passes_s", "t_backup_s"}
         assert all(v >= 0 for v in parts.values()) and parts["t_passes_s"] > 0
         assert sum(parts.values()) < wall
+        assert step["compiled_graphs"] == 0.0  # the CPU step runs Megatron's unfused code
         (share,) = result.shares
         assert (share.dp_rank, share.samples, share.weight_versions) == (0, 8, (rollout_id + 1,))
         assert step["loss"] == pytest.approx(-sign * SEED_ADVANTAGE, abs=1e-6)

@@ -160,6 +160,18 @@ def test_compiled_log_prob_stats_compile_once_for_every_chunk_length() -> None:
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
 
 
+def test_a_steps_compiles_are_counted_recompiles_included() -> None:
+    from vime_trainer.megatron.train_step import compiled_graphs
+
+    fn = torch.compile(lambda x: (x * 2).sin(), backend="eager")
+    before = compiled_graphs()
+    fn(torch.randn(4))
+    fn(torch.randn(4))
+    assert compiled_graphs() == before + 1
+    fn(torch.randn(4, 2))  # another rank: a recompile
+    assert compiled_graphs() == before + 2
+
+
 def _norm_grads(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = x.detach().clone().requires_grad_()
     out = norm(x)

@@ -51,6 +51,17 @@ class PhaseClock:
         self._last = now
 
 
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has built in this process so far, recompiles included.
+
+    A step that adds any spent part of its time compiling: on the H100 a recompile of the log-prob
+    kernels for a new chunk length cost a steady step 2.4 s (docs/benchmarks.md).
+    """
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class TrainStep:
     """The training logic of one rank, on top of `Passes`."""
 
@@ -117,8 +128,9 @@ class TrainStep:
 
     def train(self, batch: RankBatch) -> list[StepMetrics]:
         """Train on this rank's share of a rollout; one metrics dict per optimizer step (the first
-        also carries the seconds of each part: `PhaseClock`)."""
+        also carries the seconds of each part, `PhaseClock`, and the graphs compiled meanwhile)."""
         clock = PhaseClock()
+        graphs = compiled_graphs()
         mbs = self.micro_batches(batch)
         clock.mark("micro_batches")
         c = self.config
@@ -157,6 +169,7 @@ class TrainStep:
         self.backup.backup("actor")  # seed step 41: pushes to engines while the model sleeps read it
         clock.mark("backup")
         results[0] |= clock.seconds
+        results[0]["compiled_graphs"] = float(compiled_graphs() - graphs)
         return results
 
     def train_sft(self, batch: RankBatch) -> list[StepMetrics]:
