@@ -146,7 +146,7 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync_push",
-            "bench_sync's pushes alone, without its 4B training steps (those need an H200's memory): the 4B push goal measurable on an H100",
+            "bench_sync's pushes alone, without its 4B training steps (those need an H200's memory): for the 4B push on an H100 (not yet run on one)",
             _args(
                 "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 2 --asleep-rounds 2"
                 " --weight-loads vllm direct@4608 direct"
