@@ -54,8 +54,8 @@ class PhaseClock:
 def compiled_graphs() -> int:
     """Graphs ``torch.compile`` has built in this process so far, recompiles included.
 
-    A step that adds any spent part of its time compiling: on the H100 a recompile of the log-prob
-    kernels for a new chunk length cost a steady step 2.4 s (docs/benchmarks.md).
+    A step that adds any spent part of its time compiling: on the H100 a steady step that recompiled
+    the log-prob kernels for a new chunk length trained 2.4 s longer (docs/benchmarks.md).
     """
     from torch._dynamo.utils import counters
 
