@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import itertools
 import json
 import random
@@ -251,13 +250,13 @@ async def direct_round(
     tokens, seconds). ``replies`` gets the time of each reply from the start, as the rollout's
     ``rollout/t_*_response_s``."""
     from vime.clients.router import RouterDataClient
+    from vime.service import freeze_heap
     from vime.wire.vllm import GENERATE_PATH
 
     path = path or GENERATE_PATH
     # What the bench holds so far out of the collector's scans, as every vime service freezes its
     # start-up heap: a full collection inside the round (176 ms seen on CPU) would slow the baseline.
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     sem = asyncio.Semaphore(concurrency)
     clients = [RouterDataClient(u, timeout_s=1800) for u in urls]
     targets = itertools.cycle(clients)

@@ -187,8 +187,14 @@ def create_app(
     return app
 
 
+def freeze_heap() -> None:
+    """Collect, then move what survives out of the garbage collector's later scans (``gc.freeze``)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _frozen_after_start(lifespan: Any) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
-    """``lifespan`` (or none), then the heap built at start-up frozen out of the collector's scans.
+    """``lifespan`` (or none), then the heap built at start-up frozen (`freeze_heap`).
 
     A service's start (imports, a tokenizer, a manager and its engines) leaves hundreds of
     thousands of objects that live as long as it does, and every full collection walked them
@@ -200,8 +206,7 @@ def _frozen_after_start(lifespan: Any) -> Callable[[FastAPI], contextlib.Abstrac
     @contextlib.asynccontextmanager
     async def run(app: FastAPI) -> AsyncIterator[None]:
         async with lifespan(app) if lifespan is not None else contextlib.nullcontext():
-            gc.collect()
-            gc.freeze()
+            freeze_heap()
             yield
 
     return run
