@@ -132,10 +132,10 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync",
-            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm, direct in two 4.5 GiB buckets (direct@4608) and direct in 1 GiB buckets alternating, the trainer awake and asleep as in vime train, vs a D2D copy; 4B train-step MFU",
+            "weight sync of a Qwen3-4B shape (8.8 GB) Megatron → vLLM through make_weight_sync, engine.weight_load vllm, direct in two 4.5 GiB buckets (direct@4608) and direct in 1 GiB and in 256 MiB buckets alternating (a sleeping trainer holds two buckets), the trainer awake and asleep as in vime train, vs a D2D copy; 4B train-step MFU",
             _args(
                 "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 2 --asleep-rounds 2 --train-steps 2"
-                " --weight-loads vllm direct@4608 direct"
+                " --weight-loads vllm direct@4608 direct direct@256"
             ),
             _args(
                 "bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2 --train-steps 1"
@@ -146,10 +146,10 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync_push",
-            "bench_sync's pushes alone, without its 4B training steps (those need an H200's memory): for the 4B push on an H100 (not yet run on one)",
+            "bench_sync's pushes alone, without its 4B training steps (those need an H200's memory): for the 4B push on an H100 (not yet run on one); also direct in 256 MiB buckets, the staging memory a sleeping trainer holds (2 × the bucket) against push time",
             _args(
                 "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 2 --asleep-rounds 2"
-                " --weight-loads vllm direct@4608 direct"
+                " --weight-loads vllm direct@4608 direct direct@256"
             ),
             _args(
                 "bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2"
