@@ -145,20 +145,6 @@ STEPS: dict[str, Step] = {
             expect_s=220,
         ),
         Step(
-            "bench_sync_push",
-            "bench_sync's pushes alone, without its 4B training steps (those need an H200's memory): for the 4B push on an H100 (not yet run on one); also direct in 256 MiB buckets, the staging memory a sleeping trainer holds (2 × the bucket) against push time",
-            _args(
-                "bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 2 --asleep-rounds 2"
-                " --weight-loads vllm direct@4608 direct direct@256"
-            ),
-            _args(
-                "bench/weight_sync.py --transport shm --size micro --engines 1 --rounds 2"
-                " --weight-loads vllm direct@1 direct"
-            ),
-            timeout_s=400,
-            expect_s=180,
-        ),
-        Step(
             "bench_step",
             "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts, one run with engine.weight_load=direct then one with vllm",
             _STEP_GPU + _args("--runs direct vllm"),
