@@ -45,14 +45,19 @@ RUN pip install --no-cache-dir -c /tmp/constraints.txt ".[models]" "./services/r
 # --- runtime ---------------------------------------------------------------------------------
 FROM base AS runtime
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin vime \
-    && mkdir -p /models /data /checkpoints /runs /etc/vime \
-    && chown vime:vime /models /data /checkpoints /runs
+    && mkdir -p /models /data /checkpoints /runs /cache /etc/vime \
+    && chown vime:vime /models /data /checkpoints /runs /cache
 COPY --from=build /opt/venv /opt/venv
 COPY --chmod=0755 docker/entrypoint.sh /opt/vime/entrypoint.sh
 COPY docker/healthcheck.py /opt/vime/healthcheck.py
-# PCI order in every container of the colocated pair, whatever order the runtime lists the GPUs
-# in, so device N is the same physical GPU for the trainer and for vLLM.
+# Compile caches under /cache (a volume in compose and the chart), so torch Inductor's and Triton's
+# kernels and vLLM's torch.compile artefacts (XDG_CACHE_HOME/vllm) outlive the container. PCI
+# order in every container of the colocated pair, whatever order the runtime lists the GPUs in,
+# so device N is the same physical GPU for the trainer and for vLLM.
 ENV PATH=/opt/venv/bin:$PATH \
+    XDG_CACHE_HOME=/cache \
+    TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor \
+    TRITON_CACHE_DIR=/cache/triton \
     CUDA_DEVICE_ORDER=PCI_BUS_ID \
     VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1

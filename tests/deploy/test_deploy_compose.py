@@ -159,10 +159,19 @@ def test_data_volumes_are_named_by_default_and_bind_mounted_when_set(compose_con
         "/data": "volume",
         "/checkpoints": "volume",
         "/runs": "volume",
+        "/cache": "volume",
     }
     bound = compose_config(env={"VIME_MODELS_DIR": "/srv/models"})["services"]["trainer"]["volumes"]
     models = next(v for v in bound if v["target"] == "/models")
     assert (models["type"], models["source"]) == ("bind", "/srv/models")
+
+
+def test_the_gpu_pair_shares_one_compile_cache_volume(compose_config: ComposeConfig) -> None:
+    for env, want in (({}, ("volume", "cache")), ({"VIME_CACHE_DIR": "/srv/cache"}, ("bind", "/srv/cache"))):
+        services = compose_config(env=env)["services"]
+        for name in PAIRS["gpu"]:
+            cache = [v for v in services[name]["volumes"] if v["target"] == "/cache"]
+            assert [(v["type"], v["source"]) for v in cache] == [want], (name, env)
 
 
 def test_build_targets_exist_in_their_dockerfiles(config: dict) -> None:

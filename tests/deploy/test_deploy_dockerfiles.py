@@ -96,6 +96,19 @@ def test_runtime_stages_run_as_a_numeric_non_root_user(name: str, stage: str) ->
     assert entry and "/opt/vime/entrypoint.sh" in entry[-1]
 
 
+def test_the_gpu_image_keeps_its_compile_caches_under_cache_owned_by_its_user() -> None:
+    ins = _stages(DOCKER / "gpu.Dockerfile")["runtime"]
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(a for i, a in ins if i == "ENV")))
+    assert env["XDG_CACHE_HOME"] == "/cache"  # vLLM's torch.compile cache: $XDG_CACHE_HOME/vllm
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/cache/")
+    assert env["TRITON_CACHE_DIR"].startswith("/cache/")
+    run = " ".join(a for i, a in ins if i == "RUN")
+    chown = re.search(r"chown (\S+) ([^&]+)", run)
+    user = [a for i, a in ins if i == "USER"][-1].split(":")[0]
+    assert chown and "/cache" in chown.group(2).split(), "the image's user cannot write /cache"
+    assert re.search(rf"--uid {user} .*\b{chown.group(1).split(':')[0]}\b", run)
+
+
 def _pattern(pat: str) -> re.Pattern[str]:
     """A .dockerignore pattern as a regex (Go filepath.Match plus `**`), anchored at the root."""
     out, i = "", 0

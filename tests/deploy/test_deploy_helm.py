@@ -126,6 +126,19 @@ def test_trainer_and_rollout_are_one_pod_sharing_pids_and_shm(manifests: list) -
     assert owner["spec"]["strategy"] == {"type": "Recreate"}
 
 
+def test_both_containers_mount_the_compile_cache(manifests: list, variant: str) -> None:
+    pod = _colocated(manifests)
+    for c in pod["containers"]:
+        assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"], c["name"]
+    cache = next(v for v in pod["volumes"] if v["name"] == "cache")
+    if variant == "default":  # a claim of its own, kept on uninstall
+        claim = cache["persistentVolumeClaim"]["claimName"]
+        pvc = next(m for m in _kind(manifests, "PersistentVolumeClaim") if m["metadata"]["name"] == claim)
+        assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    else:  # the CPU step compiles nothing
+        assert cache == {"name": "cache", "emptyDir": {}}
+
+
 def test_gpus_requested_once_and_seen_by_both_containers(default_manifests: list) -> None:
     assert _gpu_requests(default_manifests) == [("vime-colocated/rollout/limits/nvidia.com/gpu", 8)]
     pod = _colocated(default_manifests)
