@@ -33,20 +33,16 @@ PHASE_LABELS = {
     "weight_sync": "sync",
     "onload_kv": "onload_kv",
 }
-REWARD_KEYS = ("rollout/reward_mean", "reward_mean", "train/reward_mean")
-REWARD_STD_KEYS = ("rollout/reward_std", "reward_std")
-LENGTH_KEYS = ("rollout/response_len_mean", "response_len_mean", "rollout/response_length_mean")
+REWARD, REWARD_STD, LENGTH = "rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean"
+"""The rollout manager's metrics of a step that its line shows."""
 WARMUP_PREFIX = "sft."
 """Run events of the supervised warm-up before RL (``sft.start``, ``sft.step``, ``sft.done``)."""
 
 
-def metric(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
-    """The first of ``keys`` present in ``metrics``."""
-    for key in keys:
-        value = metrics.get(key)
-        if isinstance(value, int | float):
-            return float(value)
-    return None
+def metric(metrics: Mapping[str, Any], key: str) -> float | None:
+    """``metrics[key]`` when it is a number."""
+    value = metrics.get(key)
+    return float(value) if isinstance(value, int | float) else None
 
 
 def eval_rewards(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -61,7 +57,7 @@ def eval_rewards(metrics: Mapping[str, Any]) -> dict[str, float]:
 def step_line(step: StepRecord) -> str:
     """One finished step, as printed above the progress bar."""
     m = step.metrics
-    reward, std, length = metric(m, REWARD_KEYS), metric(m, REWARD_STD_KEYS), metric(m, LENGTH_KEYS)
+    reward, std, length = metric(m, REWARD), metric(m, REWARD_STD), metric(m, LENGTH)
     parts = [f"[bold]step {step.rollout_id:>3}[/]"]
     if reward is not None:
         parts.append(f"reward [bold]{reward:.3f}[/]" + (f" ± {std:.3f}" if std is not None else ""))
@@ -179,7 +175,7 @@ class TrainProgress:
                 if st.rollout_id not in self.printed_steps:
                     self.printed_steps.add(st.rollout_id)
                     self.note(step_line(st))
-        reward = metric(step.metrics, REWARD_KEYS) if step else None
+        reward = metric(step.metrics, REWARD) if step else None
         trend = f" · reward {reward:.3f}" if reward is not None else ""
         at = f"rollout {status.rollout_id}" if status.rollout_id is not None else "run"
         done = status.next_rollout_id if status.next_rollout_id is not None else status.steps_done

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from vime.launch.progress import LENGTH_KEYS, REWARD_KEYS, eval_rewards, metric
+from vime.launch.progress import LENGTH, REWARD, eval_rewards, metric
 from vime.wire.trainer import STEP_PHASES, RunStatus
 
 
@@ -75,8 +75,8 @@ def summarize(rows: list[StepRow]) -> Summary:
     """Start vs end (mean of the first and last quarter of the steps), and mean phase times."""
     k = max(1, len(rows) // 4)
     head, tail = rows[:k], rows[-k:]
-    rewards = [metric(r.metrics, REWARD_KEYS) for r in rows]
-    lengths = [metric(r.metrics, LENGTH_KEYS) for r in rows]
+    rewards = [metric(r.metrics, REWARD) for r in rows]
+    lengths = [metric(r.metrics, LENGTH) for r in rows]
     evals = [eval_rewards(r.metrics) for r in rows if eval_rewards(r.metrics)]
     step_s = {p: _mean([r.timings.get(f"{p}_s") for r in rows]) or 0.0 for p in (*STEP_PHASES, "step")}
     return Summary(
