@@ -255,6 +255,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
         "push GB",
         "pause→resume s",
         "push GB/s",
+        "response len",
     ):
         table.add_column(col, justify="right")
     steps = []
@@ -270,6 +271,10 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
                 **t,
                 "transitions": transitions,
                 "transitions_frac": trans,
+                # the shortest response: one below the longest makes chunks of a new length
+                # (what recompiled the log-prob pass once; rank_compiled_graphs shows whether it did)
+                "response_len_min": r.get("rollout/response_len_min"),
+                "response_len_max": r.get("rollout/response_len_max"),
                 **push,
                 **rank_parts(r),
             }
@@ -282,6 +287,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
             f"{push.get('bytes', 0) / 1e9:.2f}",
             f"{push.get('pause_to_resume_s', float('nan')):.3f}",
             f"{push.get('GBps', float('nan')):.1f}",
+            f"{r.get('rollout/response_len_min', float('nan')):.0f}–{r.get('rollout/response_len_max', float('nan')):.0f}",
         )
     console.print(table)
     steady = steps[1:] or steps
