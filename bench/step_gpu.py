@@ -264,6 +264,9 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
         transitions = sum(t[p] for p in TRANSITIONS)
         trans = transitions / r["perf/T_step"]
         push = pushes.get(r["rollout_id"], {})
+        # the shortest response: one below the longest makes chunks of a new length (what
+        # recompiled the log-prob pass once; rank_compiled_graphs shows whether it did)
+        shortest, longest = r.get("rollout/response_len_min"), r.get("rollout/response_len_max")
         steps.append(
             {
                 "rollout_id": r["rollout_id"],
@@ -271,10 +274,8 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
                 **t,
                 "transitions": transitions,
                 "transitions_frac": trans,
-                # the shortest response: one below the longest makes chunks of a new length
-                # (what recompiled the log-prob pass once; rank_compiled_graphs shows whether it did)
-                "response_len_min": r.get("rollout/response_len_min"),
-                "response_len_max": r.get("rollout/response_len_max"),
+                "response_len_min": shortest,
+                "response_len_max": longest,
                 **push,
                 **rank_parts(r),
             }
@@ -287,7 +288,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
             f"{push.get('bytes', 0) / 1e9:.2f}",
             f"{push.get('pause_to_resume_s', float('nan')):.3f}",
             f"{push.get('GBps', float('nan')):.1f}",
-            f"{r.get('rollout/response_len_min', float('nan')):.0f}–{r.get('rollout/response_len_max', float('nan')):.0f}",
+            "—" if shortest is None or longest is None else f"{shortest:.0f}–{longest:.0f}",
         )
     console.print(table)
     steady = steps[1:] or steps
