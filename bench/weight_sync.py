@@ -23,6 +23,7 @@ parameters on the GPU).
 buckets in tmpfs.
 
 Per round: pause→resume seconds and each phase (pause, flush, start/update/finish or update/label,
+resume; with ``direct`` also the staging buffers' open before the pause and close after the
 resume), GB/s, the baseline, push / baseline. Goal for a Qwen3-4B shape (8.8 GB) with ``direct``:
 ≤ 0.1 s. ``--train-steps N`` then trains N GRPO steps on the same ranks (engines asleep; no push
 after) and prints the step time and MFU. A final ``VIME_RESULT {...}`` line has everything; the exit
@@ -265,9 +266,9 @@ async def colocated_push(
 
 class Rounds:
     """Pushes through `make_weight_sync`, each checked (stale before, greedy agreement after) and
-    timed against its baseline; a failed round is recorded, never raised. An engine holds one
-    direct-load session at a time: switching between ``direct`` specs closes the previous one's
-    (its buffers are opened again, outside the timed push, when it next pushes)."""
+    timed against its baseline; a failed round is recorded, never raised. A ``direct`` push opens
+    its staging buffers before the pause and closes them after the resume (phases ``open`` and
+    ``close``, outside pause → resume), so the specs can alternate freely."""
 
     def __init__(
         self, cfg: RunConfig, group: Any, engines: list[EngineInfo], gpu: bool, specs: list[str]
@@ -281,8 +282,6 @@ class Rounds:
         self.syncs = {
             spec: make_weight_sync(with_weight_load(cfg, spec), group, on_event=self._event) for spec in specs
         }
-        self.direct: str | None = None
-        """The direct spec whose session the engines hold."""
         self.d2d: dict[str, float] | None = None
         self.tmpfs_s: float | None = None
 
@@ -305,10 +304,6 @@ class Rounds:
         from vime_trainer.weight_sync.ipc import call_on_ranks
 
         kind, _ = parse_spec(spec)
-        if kind == "direct" and self.direct not in (None, spec):
-            asyncio.run(self.syncs[self.direct].aclose())
-        if kind == "direct":
-            self.direct = spec
         self.version += 1
         call_on_ranks(self.group, flip_final_norm)
         stale = not self.agree()
@@ -385,6 +380,7 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
                 out.setdefault(f"{spec}_over_vllm", {})[label] = ratio
     opened = [d for a, d in rounds.events if a == "weights.direct_open"]
     out["direct_open_s"] = [d.get("seconds") for d in opened]
+    out["direct_close_s"] = [d.get("seconds") for a, d in rounds.events if a == "weights.direct_close"]
     out["direct_refused"] = [d.get("reason") for a, d in rounds.events if a == "weights.direct_refused"]
     if args.train_steps:  # the engines sleep while the trainer trains
         for e in rounds.engines:

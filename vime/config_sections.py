@@ -132,8 +132,9 @@ class EngineConfig(Section):
     parameters, laid out once per engine start, and both sides checksum every bucket. Refused at
     the first push — then ``vllm`` for the run, with a warning — for engines it cannot load exactly
     (quantised, split over several GPUs, parameters that are not plain tensors of the trainer's
-    dtype and size). The trainer keeps, per GPU for the whole run, one staging buffer the model's
-    size when it fits ``trainer.packed_buffer_size_bytes``, else two of that size to alternate."""
+    dtype and size). For each push the trainer allocates, per GPU, one staging buffer the model's
+    size when it fits ``trainer.packed_buffer_size_bytes``, else two of that size to alternate,
+    and frees them after it: a sleeping trainer holds none through the rollout."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to answer /health after launch."""
     health_check_interval_s: float = Field(2.0, gt=0)

@@ -1,13 +1,14 @@
 """The direct weight load across two processes, as trainer and engine run it, without vLLM.
 
-The trainer side (`direct_rank.DirectExporter`) allocates its staging buffers and packs a Qwen3
-shape's HF tensors bucket by bucket into them; an engine-side process opens the buffers once —
-CUDA IPC handles on the GPU, shared-memory files in the dry run — and the worker extension
+The trainer side (`direct_rank.DirectExporter`) allocates its staging buffers for one push and
+packs a Qwen3 shape's HF tensors bucket by bucket into them; an engine-side process opens the
+buffers — CUDA IPC handles on the GPU, shared-memory files in the dry run — and the worker extension
 (`DirectLoadExtension`, mixed into a stand-in worker whose model has vLLM's fused parameter names)
 copies every bucket into its parameters. Checked: each bucket's checksum computed by the engine
 over its parameters equals the trainer's over what it packed (the same integer arithmetic on the
 GPU as on the CPU), every fused parameter equals its HF parts back to back, both buffers are used
-in turn, and a buffer the engine opened once serves the second push as well.
+in turn, and a second push through newly allocated buffers (the first closed and freed on both
+sides) loads as well, into the parameter views the engine recorded at its first open.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def engine_side(device: str, shapes: dict[str, tuple[list[int], str]], requests:
             answers.put(getattr(worker, method)(*([arg] if arg is not None else [])))
 
 
-def test_two_pushes_through_buffers_opened_once(tmp_path: Path) -> None:
+def test_two_pushes_each_through_its_own_buffers(tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from vime_trainer.weight_sync.direct_plan import DirectPlan
     from vime_trainer.weight_sync.direct_rank import DirectExporter
@@ -92,24 +93,31 @@ def test_two_pushes_through_buffers_opened_once(tmp_path: Path) -> None:
         plan.check_export({n: (list(t.shape), "bfloat16") for n, t in hf.items()})
         slots, size = plan.staging(256 << 10)
         assert slots == 2  # more than two buckets: both buffers in turn
-        exporter = DirectExporter(plan, size, slots, "ipc" if gpu else "shm", share=True, directory=tmp_path)
-        assert call("vime_direct_open", encode_open("s", exporter.specs))["buffers"] == 2
         slots_used: set[int] = set()
         for push in range(2):
+            kind = "ipc" if gpu else "shm"
+            before = torch.cuda.memory_allocated() if gpu else 0
+            exporter = DirectExporter(plan, size, slots, kind, share=True, directory=tmp_path)
+            assert call("vime_direct_open", encode_open("s", exporter.specs))["buffers"] == 2
             source = {n: (-t if push and "lm_head" in n else t) for n, t in hf.items()}
             exporter.begin(iter(source.items()))
             slot = 0
             while (packed := exporter.next(slot)) is not None:
                 got = call("vime_direct_load", encode_load("s", slot, packed["index"], packed["params"]))
                 assert got["checksum"] == packed["checksum"], f"push {push} bucket {packed['index']}"
+                assert got["rerecorded"] == 0  # the views recorded at the first open still hold
                 slots_used.add(slot)
                 slot = 1 - slot
             exporter.end()
             held = call("state")
             expect = fused(source)
             assert all(torch.equal(held[n], t.cpu()) for n, t in expect.items()), f"push {push}"
-        call("vime_direct_close")
-        exporter.close()
+            call("vime_direct_close")
+            exporter.close()
+            assert not list(tmp_path.glob("vime-direct-*"))  # shm: the files are gone after the push
+            if gpu:  # the engine let go first, so nothing waits in the IPC limbo
+                torch.cuda.ipc_collect()
+                assert torch.cuda.memory_allocated() == before, f"push {push}: staging not freed"
         assert slots_used == {0, 1}
         record("direct_load_two_processes", device=device, buffer_bytes=size, params=len(want))
     finally:

@@ -6,8 +6,9 @@ CPU ranks as Ray actors. Checked: after a direct push the engine's log-probs are
 (and were not before: training moved the weights), also from the sleeping trainer's CPU backup
 and, from a sleep that kept them, from the parameters themselves;
 the engines' checksums agree with the trainer's on every bucket, and a byte that changed after
-the trainer checksummed it fails the push with the engines left paused; buffers are opened once
-per engine start and again for a restarted engine; engines that cannot be loaded directly (weights
+the trainer checksummed it fails the push with the engines left paused; the staging buffers live
+for one push (allocated and opened before the pause, closed and freed after the resume, also
+when the push fails) while an engine's layout is read once per engine start; engines that cannot be loaded directly (weights
 in another dtype, no extension) are refused before anything is paused, and the push goes through
 vLLM's loader instead with a ``weights.direct_refused`` event.
 """
@@ -158,14 +159,14 @@ def test_direct_pushes_give_the_engine_the_trainers_weights(
     finally:
         asyncio.run(sync.aclose())
     actions = [a for a, _ in events]
-    assert actions.count("weights.direct_open") == 1  # once per engine start, not per push
     assert "weights.direct_refused" not in actions
-    assert actions[:3] == ["weights.direct_open", "weights.pause", "weights.flush"]
-    assert [a for a in actions if a not in ("weights.update", "weights.direct_open")] == [
-        *("weights.pause", "weights.flush", "weights.label", "weights.resume"),
-        *("weights.pause", "weights.label", "weights.resume"),
-        *("weights.pause", "weights.label", "weights.resume"),
+    opened, closed = "weights.direct_open", "weights.direct_close"
+    assert [a for a in actions if a != "weights.update"] == [
+        *(opened, "weights.pause", "weights.flush", "weights.label", "weights.resume", closed),
+        *(opened, "weights.pause", "weights.label", "weights.resume", closed),
+        *(opened, "weights.pause", "weights.label", "weights.resume", closed),
     ]
+    assert call_on_ranks(group, lambda rank: getattr(rank, "_vime_direct_exporter", None)) == [None, None]
 
 
 @pytest.mark.parametrize(
@@ -235,17 +236,32 @@ def test_a_byte_the_engine_did_not_get_as_packed_fails_the_push_and_keeps_it_pau
     engines: dict[str, str], hf_weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     url = engines["direct"]
-    sync = DirectSync(CorruptingRanks(hf_weights, tmp_path), Unused(), bucket_bytes=32 << 10)
+    ranks = CorruptingRanks(hf_weights, tmp_path)
+    sync = DirectSync(ranks, Unused(), bucket_bytes=32 << 10)
     try:
         with pytest.raises(WeightSyncError, match=r"bucket 1: .* checksum .* the engines stay paused"):
             asyncio.run(sync.push([info(url)], 4, flush=True))
         assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
+        assert sync.opened == [] and ranks.exporter is None and not list(tmp_path.iterdir())
     finally:
         httpx.post(url + "/resume")
         asyncio.run(sync.aclose())
 
 
-def test_a_restarted_engine_is_opened_again_before_the_pause(
+def rpc_log(calls: list[str]) -> Any:
+    """An engine client factory recording the worker methods it calls through ``/collective_rpc``."""
+    from vime.clients.engine import EngineClient
+
+    class Recording(EngineClient):
+        async def request(self, method: str, path: str, **options: Any) -> Any:
+            if path == "/collective_rpc":
+                calls.append(options["json"]["method"])
+            return await super().request(method, path, **options)
+
+    return lambda url: Recording(url)
+
+
+def test_staging_buffers_live_for_one_push_and_a_restarted_engine_is_checked_again(
     engines: dict[str, str], hf_weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     url = engines["direct"]
@@ -253,20 +269,36 @@ def test_a_restarted_engine_is_opened_again_before_the_pause(
     fallback = Unused()
     fallback.on_event = on_event
     ranks = LocalRanks(hf_weights, tmp_path)
-    sync = DirectSync(ranks, fallback, bucket_bytes=32 << 10)
+    calls: list[str] = []
+    sync = DirectSync(ranks, fallback, bucket_bytes=32 << 10, client_factory=rpc_log(calls))
+    left: list[list[Path]] = []
     try:
-        asyncio.run(sync.push([info(url)], 5, flush=True))
-        asyncio.run(sync.push([info(url)], 6, flush=False))
-        asyncio.run(sync.push([info(url, restarts=1)], 7, flush=True))
+        for version, restarts in ((5, 0), (6, 0), (7, 1)):
+            asyncio.run(sync.push([info(url, restarts=restarts)], version, flush=version != 6))
+            left.append(list(tmp_path.iterdir()))
+            assert ranks.exporter is None and sync.rank_buffers == [] and sync.opened == []
         tokens, _ = engine_logprobs(url)
     finally:
         asyncio.run(sync.aclose())
+    assert left == [[], [], []]  # the staging files are gone after every push
+    assert ranks.opened == 3
+    layout, opened, load, closed = (
+        "vime_direct_layout",
+        "vime_direct_open",
+        "vime_direct_load",
+        "vime_direct_close",
+    )
+    assert [c for c in calls if c != load] == [
+        *(layout, opened, closed),
+        *(opened, closed),
+        *(layout, opened, closed),  # the restarted engine's layout is read again
+    ]
     actions = [a for a, _ in events]
-    opens = [i for i, a in enumerate(actions) if a == "weights.direct_open"]
-    pauses = [i for i, a in enumerate(actions) if a == "weights.pause"]
-    assert len(opens) == 2 and ranks.opened == 1  # the trainer's buffers stay; the restarted engine reopens
-    assert pauses[1] < opens[1] < pauses[2]
-    updates = actions.count("weights.update")
+    for _ in range(3):
+        a, b = actions.index("weights.direct_open"), actions.index("weights.direct_close")
+        assert a < actions.index("weights.pause") < actions.index("weights.resume") < b
+        actions = actions[b + 1 :]
+    updates = [a for a, _ in events].count("weights.update")
     assert updates % 3 == 0 and updates // 3 > 2  # several buckets a push: both staging buffers in turn
     assert httpx.get(url + "/weight_info").json() == {"weight_version": "7"}
     assert tokens  # still generating after three direct pushes
@@ -328,7 +360,7 @@ def test_a_failed_pause_drops_the_packed_bucket_and_the_next_push_loads_everythi
     try:
         with pytest.raises(WeightSyncError, match="pause"):
             asyncio.run(sync.push([info(url)], 9, flush=True))
-        assert log == ["pause sent", "packed bucket 0"] and ranks._open().stream is None  # ended
+        assert log == ["pause sent", "packed bucket 0"] and ranks.exporter is None  # ended and freed
         sync.client_factory = slow_pause(log)
         report = asyncio.run(sync.push([info(url)], 10, flush=True))
         assert log.count("packed bucket 0") == 2 and httpx.get(url + "/weight_info").json() == {

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from vime_trainer.weight_sync.direct_plan import DirectPlan
 from vime_trainer.weight_sync.direct_rank import DirectExporter
-from vime_trainer.weight_sync.direct_sync import RankBuffers
+from vime_trainer.weight_sync.direct_ranks import RankBuffers
 from vime_trainer.weight_sync.ipc_payload import RankGpu
 
 

@@ -404,7 +404,7 @@ class RunOps:
 
     async def close(self) -> None:
         if self.sync is not None:
-            await self.sync.aclose()  # the direct load's staging buffers, while the ranks still run
+            await self.sync.aclose()  # what a failed push left open, while the ranks still run
         await asyncio.to_thread(self.backend.shutdown)
 
 

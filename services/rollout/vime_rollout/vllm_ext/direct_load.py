@@ -12,9 +12,9 @@ tensors' bytes concatenated in that order.
 
 vLLM mixes this class into its worker with ``--worker-extension-cls`` (``self`` is the worker:
 ``self.model_runner.get_model()``, ``self.device``, ``self.vllm_config``); the reference engine
-does the same with its own worker (`vime_rollout.reference_engine.worker`). The trainer opens its
-staging buffers here once per trainer session and engine start; each parameter's byte view is
-recorded then and replayed on every load. A view whose parameter storage moved since (a sleep
+does the same with its own worker (`vime_rollout.reference_engine.worker`). The trainer's staging
+buffers are opened here for one push and closed after it; each parameter's byte view is recorded
+at the first open after the engine started and replayed on every load. A view whose parameter storage moved since (a sleep
 that reallocated it) is recorded again before it is written, so a load never writes into memory
 the model no longer uses, and the checksum always reads the parameters as the model holds them.
 """
@@ -111,11 +111,9 @@ def _byte_view(p: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class DirectSession:
-    """One trainer session's buffers and the parameters' byte views, recorded once."""
+class ParamViews:
+    """The served model's parameters and their byte views, recorded once per engine start."""
 
-    session: str
-    buffers: list[torch.Tensor]
     params: dict[str, torch.nn.Parameter]
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     rerecorded: int = 0
@@ -133,13 +131,21 @@ class DirectSession:
         return view
 
 
+@dataclass
+class DirectSession:
+    """One push's staging buffers, opened from the trainer session ``session``."""
+
+    session: str
+    buffers: list[torch.Tensor]
+
+
 def copy_into(
-    session: DirectSession, buffer: torch.Tensor, entries: Sequence[Sequence[Any]]
+    views: ParamViews, buffer: torch.Tensor, entries: Sequence[Sequence[Any]]
 ) -> list[torch.Tensor]:
     """Copy ``buffer[offset : offset + nbytes]`` into each named parameter; the views written, in order."""
     dsts, srcs = [], []
     for name, offset, nbytes in entries:
-        dst = session.view(str(name))
+        dst = views.view(str(name))
         start, n = int(offset), int(nbytes)
         if dst.numel() != n:
             raise ValueError(f"{name}: {n} bytes pushed for a {dst.numel()}-byte parameter")
@@ -162,6 +168,7 @@ class DirectLoadExtension:
     """Mixed into the engine's worker by ``--worker-extension-cls`` (``self`` is the worker)."""
 
     _vime_direct: DirectSession | None = None
+    _vime_views: ParamViews | None = None
 
     def _vime_model(self) -> torch.nn.Module:
         """The bare model (not a CUDA-graph or compile wrapper), as vLLM's own weight transfer gets it."""
@@ -188,16 +195,26 @@ class DirectLoadExtension:
     def vime_direct_layout(self) -> dict[str, Any]:
         return {"params": model_layout(self._vime_model()), "refusal": engine_refusal(self)}
 
+    def _vime_param_views(self, refresh: bool = False) -> ParamViews:
+        """The recorded views; ``refresh`` reads the model's parameters again (an object or a
+        storage replaced since, by vLLM's own loader say, gets its view recorded again)."""
+        views: ParamViews | None = getattr(self, "_vime_views", None)
+        if views is None:
+            views = self._vime_views = ParamViews({})
+            refresh = True
+        if refresh:
+            views.params = dict(self._vime_model().named_parameters())
+            for name in views.params:
+                views.view(name)
+        return views
+
     def vime_direct_open(self, payload: str) -> dict[str, Any]:
         data = decode_open(payload)
         self.vime_direct_close()
-        device = self._vime_device()
-        buffers = [open_buffer(spec, device) for spec in data["buffers"]]
-        state = DirectSession(str(data["session"]), buffers, dict(self._vime_model().named_parameters()))
-        for name in state.params:
-            state.view(name)
-        self._vime_direct = state
-        return {"session": state.session, "buffers": len(buffers), "params": len(state.params)}
+        views = self._vime_param_views(refresh=True)
+        buffers = [open_buffer(spec, self._vime_device()) for spec in data["buffers"]]
+        self._vime_direct = DirectSession(str(data["session"]), buffers)
+        return {"session": str(data["session"]), "buffers": len(buffers), "params": len(views.params)}
 
     def vime_direct_load(self, payload: str) -> dict[str, Any]:
         req = decode_load(payload)
@@ -206,18 +223,20 @@ class DirectLoadExtension:
         if not 0 <= slot < len(state.buffers):
             raise ValueError(f"buffer {slot} is not open (have {len(state.buffers)})")
         t0 = time.perf_counter()
-        written = copy_into(state, state.buffers[slot], req["params"])
+        views = self._vime_param_views()
+        written = copy_into(views, state.buffers[slot], req["params"])
         value = checksum(written)  # reads the parameters back; waits for the copies
         return {
             "bucket": int(req["bucket"]),
             "params": len(written),
             "bytes": sum(v.numel() for v in written),
             "checksum": str(value),
-            "rerecorded": state.rerecorded,
+            "rerecorded": views.rerecorded,
             "seconds": time.perf_counter() - t0,
         }
 
     def vime_direct_close(self) -> dict[str, Any]:
-        """Drop the buffers (the trainer frees its side once every engine let go)."""
+        """Drop the push's buffers (the trainer frees its side once every engine let go); the
+        recorded views stay."""
         self._vime_direct = None
         return {"closed": True}

@@ -42,7 +42,8 @@ def make_weight_sync(cfg: RunConfig, backend: Any, on_event: EventFn = no_event)
     stock = WeightSync(make_transport(cfg, backend), on_event=on_event, token=cfg.services.token())
     if cfg.engine.weight_load != "direct":
         return stock
-    from vime_trainer.weight_sync.direct_sync import DirectSync, RayRanks
+    from vime_trainer.weight_sync.direct_ranks import RayRanks
+    from vime_trainer.weight_sync.direct_sync import DirectSync
 
     ranks = RayRanks(backend, cfg.weight_transport, cfg.trainer.weight_dir)
     return DirectSync(ranks, stock, bucket_bytes=cfg.trainer.packed_buffer_size_bytes)

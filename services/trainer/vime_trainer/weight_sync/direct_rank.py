@@ -1,9 +1,10 @@
 """The rank side of the direct weight load: runs inside each training rank's Ray actor (as `ipc_rank`).
 
-Each rank allocates its staging buffers once per session (`direct_open`) — one per slot, on its
-GPU and shared by CUDA IPC, or, with the shm transport, files in shared memory written by global
-rank 0 — and keeps them across pushes: the engines open them once. Per push (`direct_begin`,
-`direct_next` per bucket, `direct_end`), every rank streams its full HF tensors (collective, as
+Each rank allocates its staging buffers for one push (`direct_open`) — one per slot, on its GPU
+and shared by CUDA IPC, or, with the shm transport, files in shared memory written by global rank
+0 — and frees them after it (`direct_close`, once the engines let go), so a sleeping rank holds
+none through the rollout. In the push (`direct_begin`, `direct_next` per bucket, `direct_end`),
+every rank streams its full HF tensors (collective, as
 for the stock push), `direct_plan.group_into_buckets` groups them into whole engine parameters,
 and the bucket is packed into the slot the driver names, then checksummed there. The driver only
 names a slot once every engine has finished copying the bucket it held before.
@@ -30,7 +31,7 @@ _ATTR = "_vime_direct_exporter"
 
 
 class DirectExporter:
-    """One rank's staging buffers (kept across pushes) and the bucket stream of the current push."""
+    """One rank's staging buffers and the bucket stream of the current push."""
 
     def __init__(
         self,
@@ -165,19 +166,20 @@ def direct_next(rank: Any, slot: int) -> dict[str, Any] | None:
 
 
 def direct_end(rank: Any) -> None:
-    """End this push's stream (buffers stay); a sleeping rank gives the push's temporaries back."""
+    """End this push's stream (the buffers stay until `direct_close`, which also gives the push's
+    temporaries back)."""
     exporter: DirectExporter | None = getattr(rank, _ATTR, None)
     if exporter is not None:
         exporter.end()
-    if torch.cuda.is_available() and getattr(rank, "asleep", False):
-        torch.cuda.empty_cache()
 
 
 def direct_close(rank: Any) -> None:
-    """Free the staging buffers (and their files)."""
+    """Free the staging buffers (and their files); a sleeping rank gives their memory back."""
     exporter: DirectExporter | None = getattr(rank, _ATTR, None)
     if exporter is not None:
         exporter.close()
         setattr(rank, _ATTR, None)
     if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
+        torch.cuda.ipc_collect()  # buffers an engine released after the rank dropped them
+        if getattr(rank, "asleep", False):
+            torch.cuda.empty_cache()

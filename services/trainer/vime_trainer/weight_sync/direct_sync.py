@@ -6,12 +6,13 @@ start/update/finish_weight_update each bucket goes in with one ``vime_direct_loa
 engines' worker extension (`vime.wire.direct_load`), which copies it out of the trainer's staging
 buffer into the parameter views it recorded.
 
-Before anything is paused, `DirectSync.prepare` reads the layout of every engine it has not opened
-yet and checks it against what the trainer exports; whatever cannot be loaded exactly is refused
-then, and the run keeps vLLM's loader from that push on, with a warning and a
-``weights.direct_refused`` event. The trainer's staging buffers are allocated once per run and
-opened by each engine once per engine start (an engine whose pid or restart count changed is
-opened again before the next pause).
+Before anything is paused, `DirectSync.prepare` reads the layout of every engine it has not checked
+since that engine started and checks it against what the trainer exports; whatever cannot be loaded
+exactly is refused then, and the run keeps vLLM's loader from that push on, with a warning and a
+``weights.direct_refused`` event. The trainer's staging buffers live for one push: the ranks
+allocate them and every engine opens them before the pause (``weights.direct_open``); after the
+resume the engines let go and the ranks free them (``weights.direct_close``), so a sleeping trainer
+holds none of them through the rollout.
 
 Per push the trainer packs the first bucket while the engines pause, then bucket k+1 into one
 buffer while the engines copy bucket k out of the other. Every engine returns the checksum of what its parameters hold after the copy; it must equal
@@ -27,8 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from vime.clients.base import ServiceCallError
 from vime.clients.engine import EngineClient
@@ -36,9 +36,8 @@ from vime.wire.direct_load import CLOSE, EXTENSION, LAYOUT, LOAD, OPEN, encode_l
 from vime.wire.engine import PauseMode
 from vime.wire.rollout import EngineInfo
 from vime_trainer.weight_sync.direct_plan import DirectLoadRefused, DirectPlan
-from vime_trainer.weight_sync.direct_rank import BufferKind
-from vime_trainer.weight_sync.ipc import RankActors, call_on_ranks
-from vime_trainer.weight_sync.ipc_payload import RankGpu, ranks_for_engine
+from vime_trainer.weight_sync.direct_ranks import DirectBucket, DirectRanks, RankBuffers
+from vime_trainer.weight_sync.ipc_payload import ranks_for_engine
 from vime_trainer.weight_sync.protocol import (
     UPDATE_TIMEOUT_S,
     PushReport,
@@ -49,108 +48,6 @@ from vime_trainer.weight_sync.protocol import (
 )
 
 log = logging.getLogger("vime.trainer.weights")
-
-
-@dataclass(frozen=True)
-class RankBuffers:
-    """Where one trainer rank lives and its staging buffers' specs (none on CPU ranks other than 0)."""
-
-    gpu: RankGpu
-    buffers: list[dict[str, Any]]
-
-
-class DirectRanks(Protocol):
-    """What the direct load needs of the trainer ranks (`RayRanks`; tests run one in-process)."""
-
-    def export_spec(self) -> Mapping[str, tuple[Sequence[int], str]]: ...
-    def open(self, plan: DirectPlan, buffer_bytes: int, slots: int) -> list[RankBuffers]: ...
-    def begin(self) -> None: ...
-    def next(self, slot: int) -> list[dict[str, Any] | None]: ...
-    def end(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class RayRanks:
-    """`DirectRanks` over the trainer's Ray actors (`direct_rank` runs inside each)."""
-
-    def __init__(self, group: RankActors, kind: BufferKind, directory: str | None = None) -> None:
-        self.group, self.kind, self.directory = group, kind, directory
-
-    def export_spec(self) -> Mapping[str, tuple[Sequence[int], str]]:
-        from vime_trainer.weight_sync import direct_rank
-
-        spec: dict[str, Any] = call_on_ranks(self.group, direct_rank.direct_spec)[0]
-        return {n: (shape, dtype) for n, (shape, dtype) in spec.items()}
-
-    def open(self, plan: DirectPlan, buffer_bytes: int, slots: int) -> list[RankBuffers]:
-        from vime_trainer.weight_sync import direct_rank
-
-        raw = call_on_ranks(
-            self.group,
-            direct_rank.direct_open,
-            plan.to_dict(),
-            buffer_bytes,
-            slots,
-            self.kind,
-            self.directory,
-        )
-        return [RankBuffers(RankGpu(r["rank"], r["gpu_uuid"], r["physical_gpu"]), r["buffers"]) for r in raw]
-
-    def begin(self) -> None:
-        from vime_trainer.weight_sync import direct_rank
-
-        call_on_ranks(self.group, direct_rank.direct_begin)
-
-    def next(self, slot: int) -> list[dict[str, Any] | None]:
-        from vime_trainer.weight_sync import direct_rank
-
-        return call_on_ranks(self.group, direct_rank.direct_next, slot)
-
-    def end(self) -> None:
-        from vime_trainer.weight_sync import direct_rank
-
-        call_on_ranks(self.group, direct_rank.direct_end)
-
-    def close(self) -> None:
-        from vime_trainer.weight_sync import direct_rank
-
-        if self.group.actors:
-            call_on_ranks(self.group, direct_rank.direct_close)
-
-
-@dataclass(frozen=True)
-class DirectBucket:
-    index: int
-    params: list[list[Any]]
-    nbytes: int
-    checksum: str
-    source_s: float = 0.0
-    """The slowest rank's seconds making the bucket's HF tensors."""
-    pack_s: float = 0.0
-    """The slowest rank's seconds packing and checksumming them."""
-
-    @classmethod
-    def from_exports(cls, exports: Sequence[dict[str, Any] | None]) -> DirectBucket | None:
-        """The bucket every rank packed (None after the last); the ranks must agree on it."""
-        if all(e is None for e in exports):
-            return None
-        if any(e is None for e in exports):
-            raise WeightSyncError("trainer ranks ran out of buckets at different points")
-        done = [e for e in exports if e is not None]
-        first = done[0]
-        if any((e["index"], e["params"]) != (first["index"], first["params"]) for e in done):
-            raise WeightSyncError(f"trainer ranks packed different buckets at bucket {first['index']}")
-        sums = {e["checksum"] for e in done if e["checksum"] is not None}
-        if len(sums) != 1:
-            raise WeightSyncError(f"bucket {first['index']}: trainer ranks' checksums {sorted(sums)}")
-        return cls(
-            int(first["index"]),
-            first["params"],
-            int(first["nbytes"]),
-            sums.pop(),
-            max(float(e.get("source_s", 0.0)) for e in done),
-            max(float(e.get("pack_s", 0.0)) for e in done),
-        )
 
 
 async def collective_rpc(client: EngineClient, method: str, *args: str) -> list[Any]:
@@ -186,10 +83,14 @@ class DirectSync(WeightSync):
         self.ranks, self.fallback, self.bucket_bytes = ranks, fallback, bucket_bytes
         self.session = uuid.uuid4().hex
         self.plan: DirectPlan | None = None
-        self.rank_buffers: list[RankBuffers] = []
+        self.buffer_bytes = 0
         self.slots = 1
-        self.opened: dict[str, tuple[int | None, int]] = {}
-        """Engines that opened this session's buffers, with the (pid, restarts) they had then."""
+        self.rank_buffers: list[RankBuffers] = []
+        """This push's staging buffers (none between pushes)."""
+        self.opened: list[str] = []
+        """Engines holding this push's buffers open."""
+        self.checked: dict[str, tuple[int | None, int]] = {}
+        """Engines whose layout was checked, with the (pid, restarts) they had then."""
         self.labels: dict[str, bool] = {}
         self.refused: str | None = None
 
@@ -209,15 +110,20 @@ class DirectSync(WeightSync):
                 self.on_event("weights.direct_refused", reason=self.refused)
         if self.refused is not None:
             return await self.fallback.push(engines, version, flush, mode)
-        return await self._push_direct(engines, version, flush, mode or pause_mode(flush))
+        report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
+        try:
+            await self._open(report, engines)
+            return await self._push_direct(report, engines, mode or pause_mode(flush))
+        finally:
+            await self._close(report)
 
     # --- once per engine start -------------------------------------------------------------------
     async def prepare(self, engines: Sequence[EngineInfo]) -> None:
-        """Check and open every engine not opened yet (nothing is paused); DirectLoadRefused when it cannot be."""
-        stale = [e for e in engines if self.opened.get(e.url) != _key(e)]
+        """Check every engine not checked since it started (nothing is paused); DirectLoadRefused
+        when one cannot be loaded directly."""
+        stale = [e for e in engines if self.checked.get(e.url) != _key(e)]
         if not stale:
             return
-        t0 = time.perf_counter()
         clients = {e.url: self.client_factory(e.url) for e in stale}
         try:
             layouts = await _gather("direct layout", {u: self._layout(u, c) for u, c in clients.items()})
@@ -228,27 +134,65 @@ class DirectSync(WeightSync):
             if self.plan is None:
                 plan = next(iter(plans.values()))
                 plan.check_export(await asyncio.to_thread(self.ranks.export_spec))
-                self.slots, buffer_bytes = plan.staging(self.bucket_bytes)
-                self.rank_buffers = await asyncio.to_thread(self.ranks.open, plan, buffer_bytes, self.slots)
+                self.slots, self.buffer_bytes = plan.staging(self.bucket_bytes)
                 self.plan = plan
             labels = await _gather("weight_info", {u: c.weight_version() for u, c in clients.items()})
-            opening = {
-                e.url: collective_rpc(clients[e.url], OPEN, encode_open(self.session, self._buffers_for(e)))
-                for e in stale
-            }
-            await _gather("direct open", opening)
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
         for e in stale:
-            self.opened[e.url] = _key(e)
+            self.checked[e.url] = _key(e)
             self.labels[e.url] = labels[e.url] is not None
+
+    # --- every push: the staging buffers' life -----------------------------------------------------
+    async def _open(self, report: PushReport, engines: Sequence[EngineInfo]) -> None:
+        """The ranks allocate this push's staging buffers and every engine opens them (before the pause)."""
+        assert self.plan is not None, "prepare first"
+        t0 = time.perf_counter()
+        self.rank_buffers = await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
+        clients = {e.url: self.client_factory(e.url) for e in engines}
+        try:
+            opening = {
+                e.url: collective_rpc(clients[e.url], OPEN, encode_open(self.session, self._buffers_for(e)))
+                for e in engines
+            }
+            self.opened = list(opening)  # a failed open is closed too
+            await _gather("direct open", opening)
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+        report.phases["open"] = seconds = time.perf_counter() - t0
         self.on_event(
             "weights.direct_open",
-            engines=[e.url for e in stale],
+            engines=list(self.opened),
             slots=self.slots,
-            buffer_bytes=self.rank_buffers[0].buffers[0]["nbytes"] if self.rank_buffers else 0,
-            seconds=round(time.perf_counter() - t0, 4),
+            buffer_bytes=self.buffer_bytes,
+            seconds=round(seconds, 4),
         )
+
+    async def _close(self, report: PushReport | None = None) -> None:
+        """Engines let go of the buffers, then the ranks free them (best effort: a close that fails
+        is logged; an engine still holding them drops them at its next open)."""
+        t0 = time.perf_counter()
+        if self.opened:
+            clients = {url: self.client_factory(url) for url in self.opened}
+            self.opened = []
+            try:
+                results = await asyncio.gather(
+                    *(collective_rpc(c, CLOSE) for c in clients.values()), return_exceptions=True
+                )
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+            for url, r in zip(clients, results, strict=True):
+                if isinstance(r, BaseException):
+                    log.warning("%s did not close the direct-load buffers: %s: %s", url, type(r).__name__, r)
+        if self.rank_buffers:
+            self.rank_buffers = []
+            try:
+                await asyncio.to_thread(self.ranks.close)
+            except Exception as exc:
+                log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
+        if report is not None:
+            report.phases["close"] = seconds = time.perf_counter() - t0
+            self.on_event("weights.direct_close", seconds=round(seconds, 4))
 
     async def _layout(self, url: str, client: EngineClient) -> list[dict[str, Any]]:
         try:
@@ -288,9 +232,9 @@ class DirectSync(WeightSync):
 
     # --- every push --------------------------------------------------------------------------------
     async def _push_direct(
-        self, engines: Sequence[EngineInfo], version: int, flush: bool, mode: PauseMode
+        self, report: PushReport, engines: Sequence[EngineInfo], mode: PauseMode
     ) -> PushReport:
-        report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
+        version = report.version
         # The first bucket is packed while the engines pause: only the trainer's buffer is written.
         first = asyncio.ensure_future(asyncio.to_thread(self._begin))
         loading = False
@@ -396,23 +340,8 @@ class DirectSync(WeightSync):
         return max(float(got.get("seconds", 0.0)) for got in answers.values())
 
     async def aclose(self) -> None:
-        """Engines drop the buffers, then the ranks free them (best effort: the run is ending); a
-        later push lays them out and opens them again."""
-        if self.opened:
-            clients = {url: self.client_factory(url) for url in self.opened}
-            try:
-                await asyncio.gather(
-                    *(collective_rpc(c, CLOSE) for c in clients.values()), return_exceptions=True
-                )
-            finally:
-                await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
-            self.opened.clear()
-        if self.plan is not None:
-            try:
-                await asyncio.to_thread(self.ranks.close)
-            except Exception as exc:
-                log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
-            self.plan, self.rank_buffers = None, []
+        """Close whatever a push left open (best effort: the run is ending)."""
+        await self._close()
 
 
 async def _label(client: EngineClient, version: int) -> None:
