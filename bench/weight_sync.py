@@ -378,9 +378,12 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
             if spec != "vllm" and medians.get("vllm") and medians.get(spec):
                 ratio = round(medians[spec] / medians["vllm"], 3)
                 out.setdefault(f"{spec}_over_vllm", {})[label] = ratio
-    opened = [d for a, d in rounds.events if a == "weights.direct_open"]
-    out["direct_open_s"] = [d.get("seconds") for d in opened]
-    out["direct_close_s"] = [d.get("seconds") for a, d in rounds.events if a == "weights.direct_close"]
+    for step in ("open", "close"):  # each push's, outside pause → resume: the ranks' part, the engines'
+        out[f"direct_{step}_s"] = [
+            {k: d.get(k) for k in ("seconds", "ranks_s", "engines_s")}
+            for a, d in rounds.events
+            if a == f"weights.direct_{step}"
+        ]
     out["direct_refused"] = [d.get("reason") for a, d in rounds.events if a == "weights.direct_refused"]
     if args.train_steps:  # the engines sleep while the trainer trains
         for e in rounds.engines:

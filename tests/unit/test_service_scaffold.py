@@ -12,7 +12,7 @@ import pytest
 from fastapi import Depends
 from pydantic import BaseModel
 
-from vime.clients.base import ServiceCallError, ServiceClient, ServiceUnreachable
+from vime.clients.base import ServiceCallError, ServiceClient, ServiceUnreachable, ssl_context
 from vime.config import ServicesConfig
 from vime.procs import free_port
 from vime.service import ServiceError, create_app, make_token_checker, start_token
@@ -95,6 +95,17 @@ async def test_client_raises_call_error_with_message() -> None:
         await c.request("POST", "/v1/things", json={"count": -1, "name": "b"})
     assert info.value.status_code == 409 and "negative" in info.value.message
     await c.aclose()
+
+
+async def test_clients_share_one_certificate_context() -> None:
+    """A client made per call (a push's, per engine) does not load the CA bundle again."""
+    a, b = ServiceClient("https://one.example"), ServiceClient("http://two.example")
+    try:
+        contexts = {id(c._client._transport._pool._ssl_context) for c in (a, b)}  # type: ignore[attr-defined]
+        assert contexts == {id(ssl_context())}
+    finally:
+        await a.aclose()
+        await b.aclose()
 
 
 async def test_client_retries_then_fails_clearly() -> None:

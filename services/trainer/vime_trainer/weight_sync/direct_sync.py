@@ -85,6 +85,8 @@ class DirectSync(WeightSync):
         self.plan: DirectPlan | None = None
         self.buffer_bytes = 0
         self.slots = 1
+        self.staged = False
+        """The ranks hold staging buffers (from the open of a push to its close)."""
         self.rank_buffers: list[RankBuffers] = []
         """This push's staging buffers (none between pushes)."""
         self.opened: list[str] = []
@@ -148,7 +150,9 @@ class DirectSync(WeightSync):
         """The ranks allocate this push's staging buffers and every engine opens them (before the pause)."""
         assert self.plan is not None, "prepare first"
         t0 = time.perf_counter()
+        self.staged = True  # a failed allocation is freed too
         self.rank_buffers = await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
+        t1 = time.perf_counter()
         clients = {e.url: self.client_factory(e.url) for e in engines}
         try:
             opening = {
@@ -166,6 +170,8 @@ class DirectSync(WeightSync):
             slots=self.slots,
             buffer_bytes=self.buffer_bytes,
             seconds=round(seconds, 4),
+            ranks_s=round(t1 - t0, 4),
+            engines_s=round(seconds - (t1 - t0), 4),
         )
 
     async def _close(self, report: PushReport | None = None) -> None:
@@ -184,15 +190,21 @@ class DirectSync(WeightSync):
             for url, r in zip(clients, results, strict=True):
                 if isinstance(r, BaseException):
                     log.warning("%s did not close the direct-load buffers: %s: %s", url, type(r).__name__, r)
-        if self.rank_buffers:
-            self.rank_buffers = []
+        t1 = time.perf_counter()
+        if self.staged:
+            self.staged, self.rank_buffers = False, []
             try:
                 await asyncio.to_thread(self.ranks.close)
             except Exception as exc:
                 log.warning("freeing the direct-load buffers: %s: %s", type(exc).__name__, exc)
         if report is not None:
             report.phases["close"] = seconds = time.perf_counter() - t0
-            self.on_event("weights.direct_close", seconds=round(seconds, 4))
+            self.on_event(
+                "weights.direct_close",
+                seconds=round(seconds, 4),
+                engines_s=round(t1 - t0, 4),
+                ranks_s=round(seconds - (t1 - t0), 4),
+            )
 
     async def _layout(self, url: str, client: EngineClient) -> list[dict[str, Any]]:
         try:
