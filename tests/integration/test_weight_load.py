@@ -273,6 +273,8 @@ def test_staging_buffers_live_for_one_push_and_a_restarted_engine_is_checked_aga
     sync = DirectSync(ranks, fallback, bucket_bytes=32 << 10, client_factory=rpc_log(calls))
     left: list[list[Path]] = []
     try:
+        nothing = asyncio.run(sync.push([], 4, flush=True))  # no engine: no staging, no call
+        assert (nothing.buckets, ranks.opened, calls) == (0, 0, [])
         for version, restarts in ((5, 0), (6, 0), (7, 1)):
             asyncio.run(sync.push([info(url, restarts=restarts)], version, flush=version != 6))
             left.append(list(tmp_path.iterdir()))

@@ -113,6 +113,8 @@ class DirectSync(WeightSync):
         if self.refused is not None:
             return await self.fallback.push(engines, version, flush, mode)
         report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
+        if not engines:
+            return report
         try:
             await self._open(report, engines)
             return await self._push_direct(report, engines, mode or pause_mode(flush))
