@@ -14,9 +14,10 @@ vLLM mixes this class into its worker with ``--worker-extension-cls`` (``self`` 
 ``self.model_runner.get_model()``, ``self.device``, ``self.vllm_config``); the reference engine
 does the same with its own worker (`vime_rollout.reference_engine.worker`). The trainer's staging
 buffers are opened here for one push and closed after it; each parameter's byte view is recorded
-at the first open after the engine started and replayed on every load. A view whose parameter storage moved since (a sleep
-that reallocated it) is recorded again before it is written, so a load never writes into memory
-the model no longer uses, and the checksum always reads the parameters as the model holds them.
+at the first open after the engine started and replayed on every load. Each open reads the
+model's parameters again, and a view whose parameter storage moved since (a sleep that reallocated
+it) is recorded again before it is written, so a load never writes into memory the model no longer
+uses, and the checksum always reads the parameters as the model holds them.
 """
 
 from __future__ import annotations
@@ -133,10 +134,12 @@ class ParamViews:
 
 @dataclass
 class DirectSession:
-    """One push's staging buffers, opened from the trainer session ``session``."""
+    """One push's staging buffers, opened from the trainer session ``session``, and the views
+    they are copied into."""
 
     session: str
     buffers: list[torch.Tensor]
+    views: ParamViews
 
 
 def copy_into(
@@ -195,25 +198,22 @@ class DirectLoadExtension:
     def vime_direct_layout(self) -> dict[str, Any]:
         return {"params": model_layout(self._vime_model()), "refusal": engine_refusal(self)}
 
-    def _vime_param_views(self, refresh: bool = False) -> ParamViews:
-        """The recorded views; ``refresh`` reads the model's parameters again (an object or a
-        storage replaced since, by vLLM's own loader say, gets its view recorded again)."""
-        views: ParamViews | None = getattr(self, "_vime_views", None)
-        if views is None:
-            views = self._vime_views = ParamViews({})
-            refresh = True
-        if refresh:
-            views.params = dict(self._vime_model().named_parameters())
-            for name in views.params:
-                views.view(name)
+    def _vime_param_views(self) -> ParamViews:
+        """The views recorded at earlier opens, over the model's parameters read again (an object
+        or a storage replaced since, by vLLM's own loader say, gets its view recorded again)."""
+        views: ParamViews = getattr(self, "_vime_views", None) or ParamViews({})
+        views.params = dict(self._vime_model().named_parameters())
+        for name in views.params:
+            views.view(name)
+        self._vime_views = views
         return views
 
     def vime_direct_open(self, payload: str) -> dict[str, Any]:
         data = decode_open(payload)
         self.vime_direct_close()
-        views = self._vime_param_views(refresh=True)
+        views = self._vime_param_views()
         buffers = [open_buffer(spec, self._vime_device()) for spec in data["buffers"]]
-        self._vime_direct = DirectSession(str(data["session"]), buffers)
+        self._vime_direct = DirectSession(str(data["session"]), buffers, views)
         return {"session": str(data["session"]), "buffers": len(buffers), "params": len(views.params)}
 
     def vime_direct_load(self, payload: str) -> dict[str, Any]:
@@ -223,15 +223,14 @@ class DirectLoadExtension:
         if not 0 <= slot < len(state.buffers):
             raise ValueError(f"buffer {slot} is not open (have {len(state.buffers)})")
         t0 = time.perf_counter()
-        views = self._vime_param_views()
-        written = copy_into(views, state.buffers[slot], req["params"])
+        written = copy_into(state.views, state.buffers[slot], req["params"])
         value = checksum(written)  # reads the parameters back; waits for the copies
         return {
             "bucket": int(req["bucket"]),
             "params": len(written),
             "bytes": sum(v.numel() for v in written),
             "checksum": str(value),
-            "rerecorded": views.rerecorded,
+            "rerecorded": state.views.rerecorded,
             "seconds": time.perf_counter() - t0,
         }
 

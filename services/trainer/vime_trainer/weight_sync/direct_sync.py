@@ -87,8 +87,6 @@ class DirectSync(WeightSync):
         self.slots = 1
         self.staged = False
         """The ranks hold staging buffers (from the open of a push to its close)."""
-        self.rank_buffers: list[RankBuffers] = []
-        """This push's staging buffers (none between pushes)."""
         self.opened: list[str] = []
         """Engines holding this push's buffers open."""
         self.checked: dict[str, tuple[int | None, int]] = {}
@@ -153,12 +151,14 @@ class DirectSync(WeightSync):
         assert self.plan is not None, "prepare first"
         t0 = time.perf_counter()
         self.staged = True  # a failed allocation is freed too
-        self.rank_buffers = await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
+        buffers = await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
         t1 = time.perf_counter()
         clients = {e.url: self.client_factory(e.url) for e in engines}
         try:
             opening = {
-                e.url: collective_rpc(clients[e.url], OPEN, encode_open(self.session, self._buffers_for(e)))
+                e.url: collective_rpc(
+                    clients[e.url], OPEN, encode_open(self.session, _buffers_for(e, buffers))
+                )
                 for e in engines
             }
             self.opened = list(opening)  # a failed open is closed too
@@ -194,7 +194,7 @@ class DirectSync(WeightSync):
                     log.warning("%s did not close the direct-load buffers: %s: %s", url, type(r).__name__, r)
         t1 = time.perf_counter()
         if self.staged:
-            self.staged, self.rank_buffers = False, []
+            self.staged = False
             try:
                 await asyncio.to_thread(self.ranks.close)
             except Exception as exc:
@@ -226,23 +226,6 @@ class DirectSync(WeightSync):
         if layout.get("refusal"):
             raise DirectLoadRefused(f"{url}: {layout['refusal']}")
         return list(layout["params"])
-
-    def _buffers_for(self, engine: EngineInfo) -> list[dict[str, Any]]:
-        """The buffer specs ``engine`` opens: its GPUs' IPC handles merged per slot, or rank 0's files."""
-        sharing = [r for r in self.rank_buffers if r.buffers]
-        if not sharing:
-            raise WeightSyncError("no trainer rank shares a staging buffer")
-        if "cuda_ipc" not in sharing[0].buffers[0]:
-            return list(sharing[0].buffers)
-        chosen = set(ranks_for_engine(engine, [r.gpu for r in sharing]))
-        out = []
-        for slot, spec in enumerate(sharing[0].buffers):
-            handles: dict[str, Any] = {}
-            for r in sharing:
-                if r.gpu.rank in chosen:
-                    handles.update(r.buffers[slot]["cuda_ipc"])
-            out.append({"nbytes": spec["nbytes"], "cuda_ipc": handles})
-        return out
 
     # --- every push --------------------------------------------------------------------------------
     async def _push_direct(
@@ -356,6 +339,24 @@ class DirectSync(WeightSync):
     async def aclose(self) -> None:
         """Close whatever a push left open (best effort: the run is ending)."""
         await self._close()
+
+
+def _buffers_for(engine: EngineInfo, rank_buffers: Sequence[RankBuffers]) -> list[dict[str, Any]]:
+    """The buffer specs ``engine`` opens: its GPUs' IPC handles merged per slot, or rank 0's files."""
+    sharing = [r for r in rank_buffers if r.buffers]
+    if not sharing:
+        raise WeightSyncError("no trainer rank shares a staging buffer")
+    if "cuda_ipc" not in sharing[0].buffers[0]:
+        return list(sharing[0].buffers)
+    chosen = set(ranks_for_engine(engine, [r.gpu for r in sharing]))
+    out = []
+    for slot, spec in enumerate(sharing[0].buffers):
+        handles: dict[str, Any] = {}
+        for r in sharing:
+            if r.gpu.rank in chosen:
+                handles.update(r.buffers[slot]["cuda_ipc"])
+        out.append({"nbytes": spec["nbytes"], "cuda_ipc": handles})
+    return out
 
 
 async def _label(client: EngineClient, version: int) -> None:
