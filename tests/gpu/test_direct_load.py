@@ -112,6 +112,7 @@ def test_two_pushes_each_through_its_own_buffers(tmp_path: Path) -> None:
             held = call("state")
             expect = fused(source)
             assert all(torch.equal(held[n], t.cpu()) for n, t in expect.items()), f"push {push}"
+            del source, expect  # the fused expectations live on the GPU too
             call("vime_direct_close")
             exporter.close()
             assert not list(tmp_path.glob("vime-direct-*"))  # shm: the files are gone after the push
