@@ -245,6 +245,21 @@ def push_figures(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
+def save_figures(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per checkpoint: the seconds it held the loop (``trainer.save``) and after how many seconds
+    it counted (``trainer.saved``: its files written, in the background for a ``save_interval`` one)."""
+    held = {e["detail"]["path"]: e["detail"].get("seconds") for e in events if e["action"] == "trainer.save"}
+    return [
+        {
+            "path": Path(e["detail"]["path"]).name,
+            "held_s": held.get(e["detail"]["path"]),
+            "complete_s": e["detail"].get("seconds"),
+        }
+        for e in events
+        if e["action"] == "trainer.saved"
+    ]
+
+
 def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight_load: str) -> dict[str, Any]:
     table = Table(title=f"colocated step, engine.weight_load={weight_load}: T_step and its parts (s)")
     for col in (
@@ -274,6 +289,7 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
                 **t,
                 "transitions": transitions,
                 "transitions_frac": trans,
+                "save": r.get("perf/T_save", 0.0),  # not part of T_step: what a checkpoint held the loop
                 "response_len_min": shortest,
                 "response_len_max": longest,
                 **push,
@@ -293,7 +309,16 @@ def report(rows: list[dict[str, Any]], pushes: dict[int, dict[str, Any]], weight
     console.print(table)
     steady = steps[1:] or steps
     parts = sorted({k for s in steady for k in s if k.startswith(("rank_t_", "rank_compiled", "trainer_"))})
-    keys = ("T_step", *STEP_PHASES, "transitions", "transitions_frac", "pause_to_resume_s", "GBps", *parts)
+    keys = (
+        "T_step",
+        *STEP_PHASES,
+        "transitions",
+        "transitions_frac",
+        "save",
+        "pause_to_resume_s",
+        "GBps",
+        *parts,
+    )
     median = {
         k: round(statistics.median(s[k] for s in steady if k in s), 4)
         for k in keys
@@ -410,7 +435,7 @@ def main() -> None:
         rows = (
             [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
         )
-        out["runs"][kind] |= report(rows, push_figures(events), kind)
+        out["runs"][kind] |= report(rows, push_figures(events), kind) | {"checkpoints": save_figures(events)}
     if len(out["runs"]) > 1:
         out["compared"] = compare(out["runs"])
     emit("step", **out)

@@ -211,7 +211,8 @@ class RunConfig(Section):
 
     # --- run bookkeeping -------------------------------------------------------------------
     save_interval: int | None = Field(None, ge=1)
-    """Checkpoint every N rollouts (None: only at the end and on stop)."""
+    """Checkpoint every N rollouts (None: only at the end and on stop); their files are written in
+    the background during the next rollout and completed before the next step trains."""
     eval_interval: int | None = Field(None, ge=1)
     """Evaluate every N rollouts (None: never)."""
     log_tensorboard: bool = False

@@ -169,6 +169,14 @@ STEPS: dict[str, Step] = {
             expect_s=360,
         ),
         Step(
+            "bench_step_save",
+            "bench_step's workload, engine.weight_load=direct, 3 rollouts with save_interval=1: what a checkpoint holds the loop when its files are written in the background (rollouts 0, 1) and when it waits (the last)",
+            _STEP_GPU + _args("--runs direct --rollouts 3 --set save_interval=1"),
+            _STEP_CPU + _args("--runs direct --rollouts 3 --set save_interval=1"),
+            timeout_s=480,
+            expect_s=330,
+        ),
+        Step(
             "bench_async_sync",
             "the synchronous colocated half of bench_async (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens, 16k budgets), kept for bench_async",
             _args("bench/async_gpu.py --modes sync") + _ASYNC_GPU,

@@ -63,7 +63,11 @@ def test_resumed_run_and_sleep_wake_match_an_uninterrupted_run(
             first.save(0, {})
         first.wake_up()  # seed step 37
         got.append(_train(first, publish, 1))
-        path = first.save(1, {"data_position": 16, "weight_version": 3})
+        # In the background: the files are written while the ranks train on, and hold rollout 1's state.
+        path = first.save(1, {"data_position": 16, "weight_version": 3}, wait=False)
+        _train(first, publish, 2)
+        assert not (Path(path) / STATE_FILE).exists()  # incomplete until every rank has written
+        assert first.saved() == path and first.saved() is None
     finally:
         first.shutdown()
     state = json.loads((Path(path) / STATE_FILE).read_text())

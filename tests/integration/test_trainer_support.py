@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support.run_events import STEP, SYNC, TRAIN, TRAINED, action_names
+from tests.support.run_events import SAVE, STEP, SYNC, TRAIN, TRAINED, action_names
 from vime import procs
 from vime.clients.trainer import TrainerClient
 
@@ -216,8 +216,8 @@ def check_step_order(events: list[dict[str, Any]], rollout_id: int, *, saved: st
     got = actions(events, rollout_id)
     resume = [] if rollout_id == 2 else ["admission.resume"]
     body = [*SYNC, *resume, "engines.onload(kv_cache)", "step.done"]
-    after_train = [*TRAIN, "trainer.save", *TRAINED, *body]  # one wake and one sleep for the step
-    after_step = [*STEP, *body, "trainer.wake_up", "trainer.save", "trainer.sleep"]
+    after_train = [*TRAIN, *SAVE, *TRAINED, *body]  # one wake and one sleep for the step
+    after_step = [*STEP, *body, "trainer.wake_up", *SAVE, "trainer.sleep"]
     want = {
         "after_train": [after_train],
         "after_step": [after_step],

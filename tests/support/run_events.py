@@ -20,7 +20,9 @@ PUSH = [
 TRAIN = ["rollout.start", "rollout.done", "engines.offload", "trainer.wake_up", "trainer.train"]
 """A step up to its training (seed steps 14–40)."""
 TRAINED = ["trainer.sleep", "rollout.training_completed"]
-"""Seed steps 41–42, after the step's checkpoint when it has one ([*TRAIN, "trainer.save", *TRAINED])."""
+"""Seed steps 41–42, after the step's checkpoint when it has one ([*TRAIN, *SAVE, *TRAINED])."""
+SAVE = ["trainer.save", "trainer.saved"]
+"""A checkpoint complete before the loop goes on (a background one's ``trainer.saved`` comes later)."""
 STEP = [*TRAIN, *TRAINED]
 """A step without a checkpoint up to its weight sync (seed steps 14–42)."""
 DROP = "trainer.drop_weights"

@@ -61,6 +61,8 @@ class AsyncController:
         rollout_id = pick.entry.rollout_id
         self.ctx.set_rollout(rollout_id)
         self.consumed = max(self.consumed, rollout_id + 1, *(d.rollout_id + 1 for d in pick.dropped))
+        with clock.phase("save"):
+            await self.base.written()  # the last save's files, written since
         with clock.phase("train"):  # 37–42
             metrics = await self.async_ops.train(pick.entry)
         with clock.phase("save"):
@@ -76,15 +78,13 @@ class AsyncController:
         return True
 
     async def maybe_save(self, rollout_id: int) -> None:
-        """At save_interval, the last rollout or a checkpoint request; a stop's checkpoint is taken
-        by `finish`, once the producer has stopped."""
+        """At save_interval (written until the next training), the last rollout or a checkpoint
+        request (complete before the loop goes on); a stop's checkpoint is taken by `finish`,
+        once the producer has stopped."""
         c = self.cfg
-        if (
-            (c.save_interval is not None and (rollout_id + 1) % c.save_interval == 0)
-            or rollout_id + 1 == c.num_rollout
-            or bool(self.ctx.checkpoint_requests)
-        ):
-            await self.base.save(rollout_id, self.ops.version + 1)
+        final = rollout_id + 1 == c.num_rollout or bool(self.ctx.checkpoint_requests)
+        if final or (c.save_interval is not None and (rollout_id + 1) % c.save_interval == 0):
+            await self.base.save(rollout_id, self.ops.version + 1, wait=final)
 
     def step_metrics(self, pick: Pick, metrics: dict[str, float]) -> dict[str, float]:
         return {

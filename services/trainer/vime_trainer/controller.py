@@ -7,9 +7,10 @@ engines sleep (level 2, weights dropped) → the trainer wakes, trains, (saves),
 engines wake their ``weights`` → the push → admission resumes → the engines wake their KV cache.
 A step's checkpoint is taken between training and the trainer's sleep, while it is awake and the
 engines asleep; a stop that lands after that point wakes the trainer once more at the end for
-its checkpoint (the engines are awake then). A resumed run republishes the checkpoint's weights
-under the version they were (or were about to be) published as, so versions continue as if
-uninterrupted.
+its checkpoint (the engines are awake then). A ``save_interval`` checkpoint's files are written in
+the background during the next rollout: it completes before the next step trains. A resumed run
+republishes the checkpoint's weights under the version they were (or were about to be) published
+as, so versions continue as if uninterrupted.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Controller:
         """The rollout id of the newest checkpoint this run wrote."""
         self.saved_version = 0
         """The weight version that checkpoint is published as."""
+        self.pending: CheckpointResult | None = None
+        """A save whose files the ranks are still writing (an interval save does not wait)."""
         self.last_done: int | None = None
         self.trained: tuple[int, StepClock, dict[str, float]] | None = None
         """The step trained but not yet recorded (its rollout id, clock and metrics so far)."""
@@ -72,6 +75,8 @@ class Controller:
                 job = await self.ops.generate(rollout_id)
             with clock.phase("offload"):  # 33–36
                 await self.ops.offload()
+            with clock.phase("save"):
+                await self.written()  # the last save's files, written during the rollout
             with clock.phase("train"):  # 37–40
                 await self.ops.trainer_wake_up()  # 37
                 metrics = await self.ops.train(rollout_id, job)
@@ -156,25 +161,37 @@ class Controller:
 
     # --- checkpoints, eval, requests ------------------------------------------------------------
     async def maybe_save(self, rollout_id: int) -> None:
+        """At save_interval (its files written during the next rollout), and, complete before the
+        loop goes on, at the last rollout, a stop or a request."""
         c = self.cfg
-        due = (
-            (c.save_interval is not None and (rollout_id + 1) % c.save_interval == 0)
-            or rollout_id + 1 == c.num_rollout
-            or self.ctx.stop_requested
-            or bool(self.ctx.checkpoint_requests)
+        final = (
+            rollout_id + 1 == c.num_rollout or self.ctx.stop_requested or bool(self.ctx.checkpoint_requests)
         )
-        if due:  # these weights are published next as version + 1
-            await self.save(rollout_id, self.ops.version + 1)
+        if final or (c.save_interval is not None and (rollout_id + 1) % c.save_interval == 0):
+            await self.save(rollout_id, self.ops.version + 1, wait=final)  # published next as version + 1
 
-    async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:
+    async def save(self, rollout_id: int, weight_version: int, wait: bool = True) -> CheckpointResult:
         self.ctx.set_phase(RunPhase.SAVE)
-        result = await self.ops.save(rollout_id, weight_version)
-        self.saved_rollout, self.saved_version = rollout_id, weight_version
-        for fut in self.ctx.checkpoint_requests:
+        await self.written()  # one save is written at a time
+        result = await self.ops.save(rollout_id, weight_version, wait)
+        if wait:
+            self.saved_rollout, self.saved_version = rollout_id, weight_version
+        else:
+            self.pending = result
+        for fut in self.ctx.checkpoint_requests:  # a request's save waits
             if not fut.done():
                 fut.set_result(result)
         self.ctx.checkpoint_requests.clear()
         return result
+
+    async def written(self) -> None:
+        """The pending save's checkpoint, completed once every rank has written its files (the
+        ranks may be asleep)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        await self.ops.checkpoint_written()
+        self.saved_rollout, self.saved_version = pending.rollout_id, pending.weight_version
 
     async def maybe_eval(self, rollout_id: int) -> dict[str, float]:
         interval = self.cfg.eval_interval
@@ -225,6 +242,7 @@ class Controller:
     async def save_last_step(self) -> None:
         """Checkpoint the last finished step unless that is done (its weights are pushed: they
         keep their version)."""
+        await self.written()
         if self.last_done is not None and self.saved_rollout != self.last_done:
             await self.ops.trainer_wake_up()
             await self.save(self.last_done, self.ops.version)
@@ -238,6 +256,15 @@ class Controller:
         the weights may be half-way between two steps, and the last checkpoint stays the newest.
         A step checkpointed but not yet recorded (a fault between its save and its end) is recorded
         now with the metrics it had: a resume starts after it."""
+        try:
+            await self.written()
+        except Exception as exc:  # a write that failed leaves an incomplete directory: resumes skip it
+            log.warning(
+                "run %s: the last checkpoint was not completed: %s: %s",
+                self.ctx.run_id,
+                type(exc).__name__,
+                exc,
+            )
         if self.trained is not None and self.trained[0] == self.saved_rollout:
             rollout_id, clock, metrics = self.trained
             self.step_done(rollout_id, clock, metrics, weight_version=self.saved_version)

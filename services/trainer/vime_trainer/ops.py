@@ -47,7 +47,8 @@ class Backend(Protocol):
     def sleep(self, offload: bool = True, keep_weights: bool = False) -> dict[str, float]: ...
     def drop_weights(self) -> dict[str, float]: ...
     def wake_up(self) -> None: ...
-    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str: ...
+    def save(self, rollout_id: int, run_state: dict[str, Any], wait: bool = True) -> str: ...
+    def saved(self) -> str | None: ...
     def load(self, path: str | None = None) -> dict[str, Any] | None: ...
     def shutdown(self) -> None: ...
 
@@ -78,6 +79,8 @@ class RunOps:
         self.push_metrics: dict[str, float] = {}
         """The last push's pause → resume seconds and each of its phases (``weights/<phase>_s``)."""
         self.trainer_memory_metrics: dict[str, float] = {}
+        self.save_started = 0.0
+        """When the newest save began (`time.perf_counter`)."""
         """Seconds of the last trainer wake-up and sleep (``trainer/wake_s``, ``trainer/sleep_s``):
         the parts of T_train that move the training state between the GPU and pinned memory."""
 
@@ -369,25 +372,45 @@ class RunOps:
         return [now.get(e.url, e) for e in targets if e.url not in failed]
 
     # --- checkpoints and eval -------------------------------------------------------------------
-    async def save(self, rollout_id: int, weight_version: int) -> CheckpointResult:
+    async def save(self, rollout_id: int, weight_version: int, wait: bool = True) -> CheckpointResult:
         """Checkpoint the awake trainer with the run state a resume needs (data position, the
-        weights' version)."""
+        weights' version). ``wait=False``: returns once the state is copied off the model, and
+        `checkpoint_written` completes it; ``seconds`` is the time the loop waited."""
         t0 = time.perf_counter()
         run_state = {
             "run_id": self.ctx.run_id,
             "weight_version": weight_version,
             "data_state": await self.rollout.data_state(),
         }
-        path = await asyncio.to_thread(self.backend.save, rollout_id, run_state)
-        self.events.record("trainer.save", path=path, weight_version=weight_version)
-        self.ctx.status.checkpoint = path
+        self.save_started = t0
+        path = await asyncio.to_thread(self.backend.save, rollout_id, run_state, wait)
+        seconds = time.perf_counter() - t0
+        self.events.record(
+            "trainer.save", path=path, weight_version=weight_version, seconds=round(seconds, 3)
+        )
+        if wait:
+            self.checkpoint_done(path)
         return CheckpointResult(
             rollout_id=rollout_id,
             next_rollout_id=rollout_id + 1,
             path=path,
             weight_version=weight_version,
-            seconds=time.perf_counter() - t0,
+            seconds=seconds,
         )
+
+    async def checkpoint_written(self) -> str | None:
+        """The checkpoint a ``wait=False`` save left being written, completed once every rank has
+        written its files; its path (None: none was being written)."""
+        path = await asyncio.to_thread(self.backend.saved)
+        if path is not None:
+            self.checkpoint_done(path)
+        return path
+
+    def checkpoint_done(self, path: str) -> None:
+        """``trainer.saved``: the checkpoint counts now (``seconds`` since its save began)."""
+        seconds = round(time.perf_counter() - self.save_started, 3)
+        self.events.record("trainer.saved", path=path, seconds=seconds)
+        self.ctx.status.checkpoint = path
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         """An eval rollout on the synced engines; admission may be paused (it gates training only)."""

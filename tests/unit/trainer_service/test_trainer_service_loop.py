@@ -16,7 +16,7 @@ from vime_trainer.ops import RunError, RunOps
 from vime_trainer.state import RunContext
 from vime_trainer.weight_sync import WeightSync
 
-from tests.support.run_events import DROP, PUSH, STEP, SYNC, TRAIN, TRAINED, action_names
+from tests.support.run_events import DROP, PUSH, SAVE, STEP, SYNC, TRAIN, TRAINED, action_names
 from vime.config import load_config
 from vime.wire.trainer import RunState
 
@@ -90,7 +90,7 @@ async def test_fresh_run_follows_the_seed_order_and_versions() -> None:
     # the step), and skips resuming admission (seed step 53).
     assert run.actions(1) == [
         *TRAIN,
-        "trainer.save",
+        *SAVE,
         *TRAINED,
         *SYNC,
         "engines.onload(kv_cache)",
@@ -185,7 +185,7 @@ async def test_stop_after_the_save_point_checkpoints_after_the_step() -> None:
     assert await run.go() is RunState.STOPPED
     assert list(run.backend.checkpoints) == [0]
     assert run.backend.checkpoints[0]["run_state"]["weight_version"] == 2  # already published as v2
-    assert run.actions(0)[-4:] == ["step.done", "trainer.wake_up", "trainer.save", "trainer.sleep"]
+    assert run.actions(0)[-5:] == ["step.done", "trainer.wake_up", *SAVE, "trainer.sleep"]
 
 
 async def test_resume_continues_at_the_checkpoint_with_the_same_versions() -> None:
@@ -424,19 +424,21 @@ async def test_a_run_that_fails_inside_a_rollout_checkpoints_its_last_step() -> 
 
 async def test_a_step_that_fails_after_its_checkpoint_is_recorded_once() -> None:
     """A fault between a step's save and its end (here the push after it): the checkpoint is of
-    that step, so a resume starts after it, and the step is recorded with the metrics it had."""
+    that step, so a resume starts after it, and the step is recorded with the metrics it had.
+    The interval save was still being written: the fault handling completes it first."""
     run = Run("num_rollout=4", "save_interval=2")
     orig = run.ops.update_weights
 
     async def update_weights(version: int, *args: Any, **kw: Any) -> Any:
-        if run.controller.saved_rollout == 1 and run.controller.trained is not None:
+        pending = run.controller.pending
+        if pending is not None and pending.rollout_id == 1 and run.controller.trained is not None:
             raise RuntimeError("the engine is gone")
         return await orig(version, *args, **kw)
 
     run.ops.update_weights = update_weights  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="gone"):
         await run.go()
-    assert [s.rollout_id for s in run.steps] == [0]
+    assert [s.rollout_id for s in run.steps] == [0] and run.backend.checkpoints == {}
     await run.controller.save_after_fault()
     assert [s.rollout_id for s in run.steps] == [0, 1]
     assert run.steps[1].weight_version == run.backend.checkpoints[1]["run_state"]["weight_version"] == 3
@@ -465,3 +467,42 @@ async def test_a_run_in_the_mode_the_rollout_manager_was_not_started_in_fails_at
     with pytest.raises(RunError, match="mode=async, but the rollout manager was started with mode=sync"):
         await run.go()
     assert "trainer.start" not in run.actions(None)  # refused before any rank started
+
+
+async def test_an_interval_save_is_written_during_the_next_rollout() -> None:
+    """An interval checkpoint holds the loop only while the state is copied off the model: its
+    files are written during the next rollout and it completes before the next step trains (while
+    the trainer still sleeps); the last rollout's checkpoint completes before the run ends."""
+    run = Run("num_rollout=4", "save_interval=1")
+    assert await run.go() is RunState.FINISHED
+    calls = [c for c in run.backend.calls if c.startswith(("save", "train ", "wake_up"))]
+    assert calls == [
+        *["wake_up", "train 0", "save 0 in the background"],
+        *["saved 0", "wake_up", "train 1", "save 1 in the background"],
+        *["saved 1", "wake_up", "train 2", "save 2 in the background"],
+        *["saved 2", "wake_up", "train 3", "save 3"],  # the last one waits
+    ]
+    assert run.actions(1)[:6] == [*TRAIN[:3], "trainer.saved", *TRAIN[3:]]  # after rollout 1, before training
+    saved = [e.detail["path"] for e in run.events.events if e.action == "trainer.saved"]
+    assert saved == [f"ckpt/rollout_{i:07d}" for i in range(4)]
+    assert run.ctx.status.checkpoint == "ckpt/rollout_0000003" and run.backend.writing is None
+    versions = {k: c["run_state"]["weight_version"] for k, c in run.backend.checkpoints.items()}
+    assert versions == {k: k + 2 for k in range(4)}  # each published next as its version
+    assert all(s.timings.save_s >= 0 for s in run.steps)
+
+
+async def test_a_stop_after_an_interval_save_completes_it_instead_of_saving_again() -> None:
+    run = Run("num_rollout=6", "save_interval=2")
+    orig = run.ops.update_weights
+
+    async def update_weights(version: int, *args: Any, **kw: Any) -> Any:
+        if run.controller.pending is not None:  # rollout 1's push, its checkpoint still being written
+            run.ctx.request_stop()
+        return await orig(version, *args, **kw)
+
+    run.ops.update_weights = update_weights  # type: ignore[method-assign]
+    assert await run.go() is RunState.STOPPED
+    assert [s.rollout_id for s in run.steps] == [0, 1]
+    assert sorted(run.backend.checkpoints) == [1] and run.backend.writing is None
+    assert [c for c in run.backend.calls if c.startswith("save")] == ["save 1 in the background", "saved 1"]
+    assert run.controller.saved_rollout == 1

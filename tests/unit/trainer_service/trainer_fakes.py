@@ -195,6 +195,8 @@ class FakeBackend:
         self.calls: list[str] = []
         self.asleep = False
         self.checkpoints = checkpoints if checkpoints is not None else {}
+        self.writing: tuple[int, dict[str, Any]] | None = None
+        """A save that did not wait, not yet complete."""
         self.on_train: Callable[[int], None] | None = None
         self.on_train_sft: Callable[[int], None] | None = None
         self.refs: list[BatchRef] = []
@@ -251,14 +253,29 @@ class FakeBackend:
         time.sleep(self.memory_s)
         self.asleep = False
 
-    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
-        self.calls.append(f"save {rollout_id}")
+    def save(self, rollout_id: int, run_state: dict[str, Any], wait: bool = True) -> str:
+        self.calls.append(f"save {rollout_id}" + ("" if wait else " in the background"))
         self._awake("save")
-        self.checkpoints[rollout_id] = {
-            "rollout_id": rollout_id,
-            "next_rollout_id": rollout_id + 1,
-            "run_state": run_state,
-        }
+        self._complete()
+        self.writing = (
+            rollout_id,
+            {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1, "run_state": run_state},
+        )
+        if wait:
+            self._complete()
+        return f"ckpt/rollout_{rollout_id:07d}"
+
+    def saved(self) -> str | None:
+        if self.writing is not None:
+            self.calls.append(f"saved {self.writing[0]}")
+        return self._complete()
+
+    def _complete(self) -> str | None:
+        if self.writing is None:
+            return None
+        rollout_id, state = self.writing
+        self.writing = None
+        self.checkpoints[rollout_id] = state
         return f"ckpt/rollout_{rollout_id:07d}"
 
     def load(self, path: str | None = None) -> dict[str, Any] | None:

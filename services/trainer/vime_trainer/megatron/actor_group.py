@@ -198,9 +198,15 @@ class ActorGroup:
     def wake_up(self) -> None:
         self.call("wake_up")
 
-    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
-        """Checkpoint every rank; returns the checkpoint directory."""
-        return str(self.call("save", rollout_id, run_state)[0])
+    def save(self, rollout_id: int, run_state: dict[str, Any], wait: bool = True) -> str:
+        """Checkpoint every rank; returns the checkpoint directory (``wait=False``: its files are
+        written in the background and `saved` completes it)."""
+        return str(self.call("save", rollout_id, run_state, wait)[0])
+
+    def saved(self) -> str | None:
+        """The checkpoint being written, completed: its directory, or None (`TrainRank.saved`)."""
+        out: str | None = self.call("saved")[0]
+        return out
 
     def load(self, path: str | None = None) -> dict[str, Any] | None:
         """Load a checkpoint (default: the newest complete one); returns its saved state or None."""

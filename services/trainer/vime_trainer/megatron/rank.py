@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from vime.config import RunConfig
 from vime_trainer.batches import BatchRef, ShareReader, ShareSummary, TrainResult
 from vime_trainer.weights.architecture import Architecture
 from vime_trainer.weights.bucket_files import write_bucket
+
+if TYPE_CHECKING:
+    from vime_trainer.megatron.checkpoint import PendingCheckpoint
 
 T = TypeVar("T")
 
@@ -45,6 +48,7 @@ class TrainRank:
         self._reader: ShareReader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._retries_at_wake = 0
+        self._pending: PendingCheckpoint | None = None
 
     # --- start-up (seed step 3) -------------------------------------------------------------
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
@@ -240,11 +244,15 @@ class TrainRank:
         return {"rss_gib": psutil.Process().memory_info().rss / gib}
 
     # --- checkpoints -----------------------------------------------------------------------
-    def save(self, rollout_id: int, run_state: dict[str, Any]) -> str:
-        """Distributed checkpoint of model + optimizer, and the controller's run state (collective)."""
-        from vime_trainer.megatron.checkpoint import save_checkpoint
+    def save(self, rollout_id: int, run_state: dict[str, Any], wait: bool = True) -> str:
+        """Distributed checkpoint of model + optimizer, and the controller's run state (collective).
+        ``wait=False`` returns once the state is copied off the model: the files are written in
+        the background and `saved` completes the checkpoint. A save still being written is
+        completed first."""
+        from vime_trainer.megatron.checkpoint import start_checkpoint
 
         self._require_awake()
+        self.saved()
         self.offloader.state_ready()
         meta = {
             "layout": {"tp": self.info.tp_size, "pp": self.info.pp_size, "dp": self.info.dp_size},
@@ -252,16 +260,36 @@ class TrainRank:
             "hf_checkpoint": self.hf_checkpoint,
             "params_dtype": str(self.dtype).removeprefix("torch."),
         }
-        path = save_checkpoint(
-            self.config.trainer.checkpoint_dir, rollout_id, self.passes.model, self.optimizer, run_state, meta
+        self._pending = start_checkpoint(
+            self.config.trainer.checkpoint_dir,
+            rollout_id,
+            self.passes.model,
+            self.optimizer,
+            run_state,
+            meta,
+            self.info.device,
+            background=not wait,
         )
-        return str(path)
+        path = str(self._pending.path)
+        if wait:
+            self.saved()
+        return path
+
+    def saved(self) -> str | None:
+        """Complete the checkpoint being written once every rank has written its files; its
+        directory, or None when none was being written (collective; also while asleep)."""
+        pending, self._pending = self._pending, None  # a failed one stays incomplete: resumes skip it
+        if pending is None:
+            return None
+        pending.finish()
+        return str(pending.path)
 
     def load(self, path: str | None = None) -> dict[str, Any] | None:
         """Load ``path`` (default: the newest complete checkpoint); None when there is none."""
         from vime_trainer.megatron.checkpoint import latest_checkpoint, load_checkpoint
 
         self._require_awake()
+        self.saved()
         self.offloader.state_ready()  # a late copy of the old state must not land on the loaded one
         if path is None:
             found = latest_checkpoint(self.config.trainer.checkpoint_dir)
