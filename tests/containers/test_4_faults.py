@@ -59,7 +59,9 @@ def test_docker_kill_of_the_rollout_container_mid_run_ends_in_a_bounded_outcome(
     fails (the namespace it must join is gone). The user sees the trainer's port refuse at once,
     never a hanging run; `docker compose up -d` brings the pair back, without the lost run."""
     stack.start_run("ci-kill", {"num_rollout": 100, "save_interval": 1, "start_rollout_id": 10})
-    before = stack.wait_run("ci-kill", _progressed(1), RUN_S, "past its first step")
+    before = stack.wait_run(  # an interval checkpoint counts once the next step is about to train
+        "ci-kill", lambda s: s["steps_done"] >= 1 and s["checkpoint"], RUN_S, "past a checkpoint"
+    )
     stack.compose("kill", "-s", "SIGKILL", "rollout-cpu")
     outcome = _after_kill(stack, "ci-kill", before["steps_done"])
     containers = stack.containers()
