@@ -79,10 +79,10 @@ class RunOps:
         self.push_metrics: dict[str, float] = {}
         """The last push's pause → resume seconds and each of its phases (``weights/<phase>_s``)."""
         self.trainer_memory_metrics: dict[str, float] = {}
-        self.save_started = 0.0
-        """When the newest save began (`time.perf_counter`)."""
         """Seconds of the last trainer wake-up and sleep (``trainer/wake_s``, ``trainer/sleep_s``):
         the parts of T_train that move the training state between the GPU and pinned memory."""
+        self.save_started = 0.0
+        """When the newest save began (`time.perf_counter`)."""
 
     # --- start-up (seed steps 2, 3, 9) -----------------------------------------------------
     async def wait_rollout_manager(self, timeout_s: float = 900.0) -> EnginesStatus:
