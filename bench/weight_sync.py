@@ -29,7 +29,14 @@ resume), GB/s, the baseline, push / baseline. Goal for a Qwen3-4B shape (8.8 GB)
 after) and prints the step time and MFU. A final ``VIME_RESULT {...}`` line has everything; the exit
 status is 1 when any check or round failed.
 
+``--lean``: the trainer's state and the engines are never awake together, as in ``vime train``
+(the Qwen3-4B shape's trainer holds ~72 GiB awake, so this is how it fits beside an engine on an
+80 GB H100). The engines sleep (level 1, their weights kept) before the trainer starts; every round
+is a trainer-asleep push, and both greedy checks compare the engines with the logits the trainer
+computed before it slept; the D2D baseline is measured with the trainer asleep.
+
     python bench/weight_sync.py --transport ipc --size qwen3-4b --rounds 3 --asleep-rounds 2 --train-steps 3
+    python bench/weight_sync.py --transport ipc --size qwen3-4b --lean --rounds 0 --asleep-rounds 3
     python bench/weight_sync.py [--transport shm] [--size micro|small] [--engines 2] [--rounds 3]
 """
 
@@ -85,6 +92,12 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="ipc: pushes of each kind with the trainer asleep (step 41)",
     )
+    p.add_argument(
+        "--lean",
+        action="store_true",
+        help="the trainer's state and the engines never awake together (trainer-asleep rounds only)",
+    )
+    p.add_argument("--set", action="append", default=[], help="a config override KEY=VALUE (repeatable)")
     p.add_argument("--train-steps", type=int, default=0, help="then train this many steps (MFU)")
     p.add_argument("--train-samples", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=200)
@@ -104,6 +117,8 @@ def parse_args() -> argparse.Namespace:
             parse_spec(spec)
         except ValueError as exc:
             p.error(f"--weight-loads {spec}: {exc}")
+    if args.lean and (args.rounds or not args.asleep_rounds):
+        p.error("--lean pushes from the sleeping trainer only: --rounds 0 --asleep-rounds N")
     return args
 
 
@@ -148,6 +163,7 @@ def trainer_config(work: Path, args: argparse.Namespace, gpu: bool) -> RunConfig
             f"trainer.ipc_packed={not args.unpacked}",
             f"trainer.checkpoint_dir={work / 'ckpt'}",
             *([f"trainer.weight_dir={args.dir}"] if args.dir else []),
+            *args.set,
         ],
         environ={},
     )
@@ -217,7 +233,14 @@ def _empty_cache(rank: Any) -> None:
 # --- rounds ------------------------------------------------------------------------------------
 
 
-def greedy_agrees(group: Any, url: str) -> bool:
+def trainer_logits(group: Any) -> Any:
+    """The trainer's logits at the last position of every probe prompt (``[prompts, vocab]``)."""
+    import numpy as np
+
+    return next(x for x in group.call("logits", np.array(PROMPTS)) if x is not None)[:, -1, :]
+
+
+def greedy_agrees(logits: Any, url: str) -> bool:
     """The engine's greedy next token is the trainer's argmax, or within bf16 noise of it, for every prompt.
 
     bf16 noise scales with the logits: two bf16 implementations of a 4B model differ by ~1% of the
@@ -226,7 +249,6 @@ def greedy_agrees(group: Any, url: str) -> bool:
     """
     import numpy as np
 
-    logits = next(x for x in group.call("logits", np.array(PROMPTS)) if x is not None)[:, -1, :]
     for prompt, row in zip(PROMPTS, logits, strict=True):
         body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
         out = httpx.post(url + "/inference/v1/generate", json=body, timeout=60).json()
@@ -236,11 +258,18 @@ def greedy_agrees(group: Any, url: str) -> bool:
     return True
 
 
+def on_engines(engines: list[EngineInfo], path: str, **params: Any) -> None:
+    """``POST path`` on every engine (a sleep or wake-up outside the timed push)."""
+    for e in engines:
+        httpx.post(e.url + path, params=params, timeout=300).raise_for_status()
+
+
 async def colocated_push(
-    sync: Any, group: Any, engines: list[EngineInfo], version: int, trainer_sleeps: bool
+    sync: Any, group: Any, engines: list[EngineInfo], version: int, trainer: str
 ) -> tuple[Any, dict[str, float]]:
     """Seed 33–36, (41), 43, 45–52, 54: engines sleep, (trainer sleeps,) weights wake, push, (the
-    trainer's weights go,) KV wakes."""
+    trainer's weights go,) KV wakes. ``trainer``: ``awake`` (it stays so), ``sleeps`` (it sleeps
+    keeping its weights after the engines do) or ``asleep`` (it already sleeps so)."""
     clients = [httpx.AsyncClient(base_url=e.url, timeout=300) for e in engines]
 
     async def each(path: str, **params: Any) -> float:
@@ -252,11 +281,11 @@ async def colocated_push(
 
     try:
         await each("/sleep", level=2, mode="keep")
-        if trainer_sleeps:  # as `vime train`: its weights stay on the GPU for the push
+        if trainer == "sleeps":  # as `vime train`: its weights stay on the GPU for the push
             await asyncio.to_thread(group.sleep, True, True)
         wake_weights = await each("/wake_up", tags="weights")
         rep = await sync.push(engines, version, flush=True)
-        if trainer_sleeps:
+        if trainer != "awake":
             await asyncio.to_thread(group.drop_weights)
         wake_kv = await each("/wake_up", tags="kv_cache")
     finally:
@@ -271,11 +300,17 @@ class Rounds:
     ``close``, outside pause → resume), so the specs can alternate freely."""
 
     def __init__(
-        self, cfg: RunConfig, group: Any, engines: list[EngineInfo], gpu: bool, specs: list[str]
+        self,
+        cfg: RunConfig,
+        group: Any,
+        engines: list[EngineInfo],
+        gpu: bool,
+        specs: list[str],
+        lean: bool = False,
     ) -> None:
         from vime_trainer.weight_sync import make_weight_sync
 
-        self.group, self.engines, self.gpu = group, engines, gpu
+        self.group, self.engines, self.gpu, self.lean = group, engines, gpu, lean
         self.version = 0
         self.problems: list[str] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
@@ -288,8 +323,10 @@ class Rounds:
     def _event(self, action: str, **detail: Any) -> None:
         self.events.append((action, detail))
 
-    def agree(self) -> bool:
-        return all(greedy_agrees(self.group, e.url) for e in self.engines)
+    def agree(self, logits: Any = None) -> bool:
+        """Every engine agrees with ``logits`` (default: the trainer's now)."""
+        logits = trainer_logits(self.group) if logits is None else logits
+        return all(greedy_agrees(logits, e.url) for e in self.engines)
 
     def run(self, kind: str, trainer_sleeps: bool, label: str) -> dict[str, Any]:
         try:
@@ -306,15 +343,25 @@ class Rounds:
         kind, _ = parse_spec(spec)
         self.version += 1
         call_on_ranks(self.group, flip_final_norm)
-        stale = not self.agree()
+        if self.lean:  # the trainer's state and the engines never awake together
+            expected = trainer_logits(self.group)
+            self.group.sleep(True, True)
+            self._baseline()
+            on_engines(self.engines, "/wake_up")
+        else:
+            expected = None
+        stale = not self.agree(expected)
         if not stale:
             self.problems.append(f"{spec} push {self.version}: the engines agreed before the push")
+        trainer = "asleep" if self.lean else "sleeps" if trainer_sleeps else "awake"
         rep, wakes = asyncio.run(
-            colocated_push(self.syncs[spec], self.group, self.engines, self.version, trainer_sleeps)
+            colocated_push(self.syncs[spec], self.group, self.engines, self.version, trainer)
         )
-        if trainer_sleeps:  # seed step 37: the comparison (and the next round) runs the trainer's forward
+        if trainer == "sleeps":  # seed step 37: the comparison (and the next round) runs the trainer's forward
             self.group.wake_up()
-        agrees = self.agree()
+        agrees = self.agree(expected)
+        if self.lean:
+            on_engines(self.engines, "/sleep", level=1)  # the next round wakes the trainer
         if not agrees:
             self.problems.append(
                 f"{spec} push {self.version}: after the push an engine disagrees with the trainer"
@@ -330,10 +377,18 @@ class Rounds:
         if not self.gpu:
             base = self.tmpfs_s = self.tmpfs_s or tmpfs_round_trip(self.group)
             return sync_round(rep, "tmpfs write+read", base, **extra, **wakes)
-        d2d = self.d2d = self.d2d or call_on_ranks(self.group, device_copy_seconds)[0]
+        d2d = self._baseline()
         return sync_round(
             rep, "D2D flat copy", d2d["flat"], d2d_clones_s=round(d2d["clones"], 5), **extra, **wakes
         )
+
+    def _baseline(self) -> dict[str, float]:
+        """The D2D copy of the weights' bytes on the GPU, measured once."""
+        from vime_trainer.weight_sync.ipc import call_on_ranks
+
+        if self.gpu and self.d2d is None:
+            self.d2d = call_on_ranks(self.group, device_copy_seconds)[0]
+        return self.d2d or {}
 
     def close(self) -> None:
         for sync in self.syncs.values():
@@ -359,11 +414,11 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
     """The rounds of each kind, alternating; then the training steps (no push after them)."""
     from vime_trainer.weight_sync.ipc import call_on_ranks
 
-    if rounds.gpu and rounds.agree():
+    if rounds.gpu and not rounds.lean and rounds.agree():
         rounds.problems.append("the engines agree with the trainer before any push (not dummy weights?)")
     kinds = args.weight_loads
-    groups = [("from_gpu" if rounds.gpu else "from_trainer", False, args.rounds)]
-    if rounds.gpu and args.asleep_rounds:
+    groups = [("from_gpu" if rounds.gpu else "from_trainer", False, args.rounds)] if args.rounds else []
+    if (rounds.gpu or rounds.lean) and args.asleep_rounds:
         groups.append(("trainer_asleep", True, args.asleep_rounds))
     for label, sleeps, count in groups:
         done: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
@@ -386,8 +441,8 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
         ]
     out["direct_refused"] = [d.get("reason") for a, d in rounds.events if a == "weights.direct_refused"]
     if args.train_steps:  # the engines sleep while the trainer trains
-        for e in rounds.engines:
-            httpx.post(e.url + "/sleep", params={"level": 2}, timeout=300).raise_for_status()
+        on_engines(rounds.engines, "/sleep", level=2)
+        rounds.group.wake_up()  # after lean rounds it sleeps
         try:
             out["train"] = train_steps(rounds.group, args, shape_named(args.size), on_gpu=rounds.gpu)
         except Exception as exc:
@@ -459,12 +514,14 @@ def run(args: argparse.Namespace, work: Path, out: dict[str, Any]) -> list[str]:
             )
             for i, u in enumerate(urls)
         ]
+        if args.lean:  # the trainer starts beside sleeping engines
+            on_engines(engines, "/sleep", level=1)
         group = ActorGroup(cfg, str(model))
         try:
             t0 = time.monotonic()
             group.start()
             out["trainer_start_s"] = round(time.monotonic() - t0, 1)
-            rounds = Rounds(cfg, group, engines, gpu, args.weight_loads)
+            rounds = Rounds(cfg, group, engines, gpu, args.weight_loads, lean=args.lean)
             try:
                 measure(args, rounds, out)
             finally:

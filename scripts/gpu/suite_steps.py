@@ -145,6 +145,20 @@ STEPS: dict[str, Step] = {
             expect_s=220,
         ),
         Step(
+            "bench_sync_lean",
+            "bench_sync's 4B pushes in vime train's memory order (the trainer's state and the engine never awake together; fits an 80 GB H100): engine.weight_load vllm, direct (1 GiB buckets) and direct@4608, from the sleeping trainer, vs a D2D copy; no training steps",
+            _args(
+                "bench/weight_sync.py --transport ipc --size qwen3-4b --lean --rounds 0 --asleep-rounds 3"
+                " --weight-loads vllm direct direct@4608 --set trainer.grad_reduce_in_fp32=false"
+            ),
+            _args(
+                "bench/weight_sync.py --transport shm --size micro --engines 1 --lean --rounds 0"
+                " --asleep-rounds 2 --weight-loads vllm direct@1 direct"
+            ),
+            timeout_s=420,
+            expect_s=260,
+        ),
+        Step(
             "bench_step",
             "the full colocated step (Qwen3-0.6B shape, 32×8 samples, ≤1024 tokens): T_step and its parts, one run with engine.weight_load=direct then one with vllm",
             _STEP_GPU + _args("--runs direct vllm"),
