@@ -357,7 +357,7 @@ class Rounds:
         rep, wakes = asyncio.run(
             colocated_push(self.syncs[spec], self.group, self.engines, self.version, trainer)
         )
-        if trainer == "sleeps":  # seed step 37: the comparison (and the next round) runs the trainer's forward
+        if trainer == "sleeps":  # seed step 37: the comparison and the next round run its forward
             self.group.wake_up()
         agrees = self.agree(expected)
         if self.lean:
