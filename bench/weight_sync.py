@@ -442,7 +442,8 @@ def measure(args: argparse.Namespace, rounds: Rounds, out: dict[str, Any]) -> No
     out["direct_refused"] = [d.get("reason") for a, d in rounds.events if a == "weights.direct_refused"]
     if args.train_steps:  # the engines sleep while the trainer trains
         on_engines(rounds.engines, "/sleep", level=2)
-        rounds.group.wake_up()  # after lean rounds it sleeps
+        if rounds.lean:  # its rounds leave the trainer asleep
+            rounds.group.wake_up()
         try:
             out["train"] = train_steps(rounds.group, args, shape_named(args.size), on_gpu=rounds.gpu)
         except Exception as exc:
