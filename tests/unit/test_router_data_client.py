@@ -1,5 +1,5 @@
 """The data-plane client resends a generate only when no engine produced anything: connection
-failures, 502/503/504, and vllm-router's 500 for a request it could not deliver (an engine killed
+failures, replies cut off before their end, 502/503/504, and vllm-router's 500 for a request it could not deliver (an engine killed
 mid-rollout). An engine's own 500 is an answer and fails at once. It keeps resending for a time
 (``router.retry_window_s``), not a number of attempts: long enough for an engine to come back."""
 
@@ -100,5 +100,48 @@ def test_a_generate_waits_for_an_engine_within_the_retry_window_and_no_longer() 
             with pytest.raises(ServiceUnreachable):
                 await c.generate([1, 2], {"max_tokens": 1})
         assert len(calls) == 1  # a window of 0: never sent again
+
+    asyncio.run(main())
+
+
+def test_a_reply_cut_off_before_its_end_is_sent_again() -> None:
+    """An engine killed while the router relays its reply: the body stops short of its length
+    (aiohttp's ClientPayloadError, seen in the fault test of an engine killed mid-rollout). Nothing
+    usable came back, so the request goes again; with no retry window it is named unreachable."""
+
+    async def main() -> None:
+        calls: list[int] = []
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            calls.append(1)
+            if len(calls) > 1:
+                return web.json_response({"choices": [{"token_ids": [7]}]})
+            reply = web.StreamResponse(status=200)
+            reply.content_length = 1000
+            reply.content_type = "application/json"
+            await reply.prepare(request)
+            await reply.write(b'{"choices": [')
+            assert request.transport is not None
+            request.transport.close()  # the connection ends 987 bytes short
+            return reply
+
+        app = web.Application()
+        app.router.add_post(GENERATE_PATH, generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = procs.free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with RouterDataClient(url, backoff_s=0.01) as c:
+                out = await c.generate([1, 2], {"max_tokens": 1})
+            assert out["choices"][0]["token_ids"] == [7] and len(calls) == 2
+            calls.clear()
+            async with RouterDataClient(url, retry_window_s=0) as c:
+                with pytest.raises(ServiceUnreachable, match="ClientPayloadError"):
+                    await c.generate([1, 2], {"max_tokens": 1})
+            assert len(calls) == 1
+        finally:
+            await runner.cleanup()
 
     asyncio.run(main())

@@ -121,8 +121,9 @@ class RouterClient(ServiceClient):
 class RouterDataClient:
     """Generate requests through the router's public port, one pooled aiohttp session.
 
-    A request no engine produced anything for (a connection failure, 502/503/504, vllm-router's
-    transport 500) is sent again, through the router, with backoff for up to ``retry_window_s``
+    A request no engine produced anything for (a connection failure, a reply cut off before its
+    end — the engine died while the router relayed it —, 502/503/504, vllm-router's transport 500)
+    is sent again, through the router, with backoff for up to ``retry_window_s``
     seconds: long enough for a dead engine to be taken out and restarted, or the router to come
     back (0: never again). Any other status raises `ServiceCallError` at once.
     """
@@ -175,7 +176,7 @@ class RouterDataClient:
 
         headers = {SESSION_HEADER: session_id} if session_id else None
         url = self.base_url + path
-        lost = (TimeoutError, aiohttp.ClientConnectionError, GatewayStatus)
+        lost = (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, GatewayStatus)
         try:
             async for attempt in self.retry.retrying(lambda exc: isinstance(exc, lost)):
                 with attempt:
