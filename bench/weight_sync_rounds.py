@@ -48,14 +48,29 @@ def with_weight_load(cfg: RunConfig, spec: str) -> RunConfig:
 
 
 def flip_final_norm(rank: Any) -> None:
-    """Negate the final norm (live and in the CPU backup): every greedy token changes."""
+    """Negate the final norm — live, in its fp32 master and in the CPU backup — so every greedy token
+    changes. The master matters: a mixed-precision optimizer's wake-up rebuilds the bf16 weights from
+    the masters, so a flip of the live weights alone is undone by the next round's wake-up (on the
+    H100 on 12-08 every round after the first found the engine already agreeing)."""
     import torch
 
     rank.wake_up()
     with torch.no_grad():
-        for name, p in rank.passes.model.named_parameters():
-            if name.endswith("final_layernorm.weight"):
+        flipped = {
+            id(p)
+            for name, p in rank.passes.model.named_parameters()
+            if name.endswith("final_layernorm.weight")
+        }
+        for p in rank.passes.model.parameters():
+            if id(p) in flipped:
                 p.neg_()
+        for opt in getattr(rank.optimizer, "chained_optimizers", [rank.optimizer]):
+            for model_group, main_group in zip(
+                getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True
+            ):
+                for p, main in zip(model_group, main_group, strict=True):
+                    if id(p) in flipped:
+                        main.neg_()
         if rank.backup.has("actor"):
             for name, t in rank.backup.get("actor").items():
                 if name.endswith("final_layernorm.weight"):
