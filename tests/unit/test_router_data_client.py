@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -28,6 +28,23 @@ NO_WORKERS = "No available workers (all circuits open or unhealthy)"
 
 
 @asynccontextmanager
+async def router_serving(
+    generate: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """A stand-in router whose generate route is ``generate``; yields its url."""
+    app = web.Application()
+    app.router.add_post(GENERATE_PATH, generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = procs.free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
 async def router_answering(
     replies: list[web.Response], no_engine_until: float = 0.0
 ) -> AsyncIterator[tuple[str, list[int]]]:
@@ -41,16 +58,8 @@ async def router_answering(
             return web.Response(status=503, text=NO_WORKERS)
         return replies.pop(0) if replies else web.json_response({"choices": [{"token_ids": [1]}]})
 
-    app = web.Application()
-    app.router.add_post(GENERATE_PATH, generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = procs.free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}", calls
-    finally:
-        await runner.cleanup()
+    async with router_serving(generate) as url:
+        yield url, calls
 
 
 def test_which_answers_are_resent() -> None:
@@ -125,14 +134,7 @@ def test_a_reply_cut_off_before_its_end_is_sent_again() -> None:
             request.transport.close()  # the connection ends 987 bytes short
             return reply
 
-        app = web.Application()
-        app.router.add_post(GENERATE_PATH, generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = procs.free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}"
-        try:
+        async with router_serving(generate) as url:
             async with RouterDataClient(url, backoff_s=0.01) as c:
                 out = await c.generate([1, 2], {"max_tokens": 1})
             assert out["choices"][0]["token_ids"] == [7] and len(calls) == 2
@@ -141,7 +143,5 @@ def test_a_reply_cut_off_before_its_end_is_sent_again() -> None:
                 with pytest.raises(ServiceUnreachable, match="ClientPayloadError"):
                     await c.generate([1, 2], {"max_tokens": 1})
             assert len(calls) == 1
-        finally:
-            await runner.cleanup()
 
     asyncio.run(main())
