@@ -53,24 +53,16 @@ def flip_final_norm(rank: Any) -> None:
     the masters, so a flip of the live weights alone is undone by the next round's wake-up (on the
     H100 on 12-08 every round after the first found the engine already agreeing)."""
     import torch
+    from vime_trainer.megatron.memory import masters_of
 
     rank.wake_up()
+    masters = masters_of(rank.optimizer)
     with torch.no_grad():
-        flipped = {
-            id(p)
-            for name, p in rank.passes.model.named_parameters()
-            if name.endswith("final_layernorm.weight")
-        }
-        for p in rank.passes.model.parameters():
-            if id(p) in flipped:
+        for name, p in rank.passes.model.named_parameters():
+            if name.endswith("final_layernorm.weight"):
                 p.neg_()
-        for opt in getattr(rank.optimizer, "chained_optimizers", [rank.optimizer]):
-            for model_group, main_group in zip(
-                getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True
-            ):
-                for p, main in zip(model_group, main_group, strict=True):
-                    if id(p) in flipped:
-                        main.neg_()
+                if id(p) in masters:
+                    masters[id(p)].neg_()
         if rank.backup.has("actor"):
             for name, t in rank.backup.get("actor").items():
                 if name.endswith("final_layernorm.weight"):

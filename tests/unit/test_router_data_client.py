@@ -1,6 +1,6 @@
 """The data-plane client resends a generate only when no engine produced anything: connection
-failures, replies cut off before their end, 502/503/504, and vllm-router's 500 for a request it could not deliver (an engine killed
-mid-rollout). An engine's own 500 is an answer and fails at once. It keeps resending for a time
+failures, replies cut off before their end, 502/503/504, and vllm-router's 500 for a request it
+could not deliver (an engine killed mid-rollout). An engine's own 500 is an answer and fails at once. It keeps resending for a time
 (``router.retry_window_s``), not a number of attempts: long enough for an engine to come back."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from vime_trainer.megatron.memory import Offloader, params_with_masters
+from vime_trainer.megatron.memory import Offloader, masters_of
 
 
 class MixedPrecision:
@@ -90,7 +90,7 @@ def test_parameters_without_masters_are_copied() -> None:
     model = _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     _train(model, opt, seed=1)
-    assert params_with_masters(opt) == set()
+    assert masters_of(opt) == {}
     before = [p.detach().clone() for p in model.parameters()]
     offloader = Offloader(model, opt, "cpu")
     offloader.sleep()

@@ -81,18 +81,19 @@ def optimizer_state(optimizer: object) -> Iterator[torch.Tensor]:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def params_with_masters(optimizer: object) -> set[int]:
-    """Ids of the model parameters a mixed-precision optimizer rebuilds from fp32 masters
-    (Megatron's ``float16_groups``); empty for an optimizer that steps the parameters themselves."""
-    ids: set[int] = set()
+def masters_of(optimizer: object) -> dict[int, torch.Tensor]:
+    """The fp32 master of each model parameter a mixed-precision optimizer rebuilds from it, by the
+    parameter's id (Megatron's ``float16_groups``); empty for an optimizer that steps the parameters
+    themselves."""
+    out: dict[int, torch.Tensor] = {}
     for opt in _chained(optimizer):
         if not hasattr(opt, "_copy_main_params_to_model_params"):
             continue
         for model_group, main_group in zip(
             getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True
         ):
-            ids.update(id(p) for p, _ in zip(model_group, main_group, strict=True))
-    return ids
+            out.update((id(p), main) for p, main in zip(model_group, main_group, strict=True))
+    return out
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -129,7 +130,7 @@ class Offloader:
     def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(tensors whose bytes are copied, tensors only freed) on this device."""
         params = list(self.model.parameters())
-        derived = params_with_masters(self.optimizer)
+        derived = masters_of(self.optimizer)
         self._rebuild = bool(derived) and all(id(p) in derived for p in params)
         kept = list(optimizer_tensors(self.optimizer))
         grads = [
