@@ -238,7 +238,9 @@ class TrainerConfig(Section):
     model's size, when the model fits one), freed after the push: larger buckets mean fewer load
     calls for that much more GPU memory during the push. The Qwen3-4B shape (8.8 GB) went from the
     sleeping trainer in 0.079 s pause to resume with 4.5 GiB buckets against 0.102 s with 1 GiB on
-    an H100 (docs/benchmarks.md, 12-08); the 0.6B shape was slower in one bucket than in two."""
+    an H100 (docs/benchmarks.md, 12-08), when each load waited for the one before to come back
+    (~5 ms of round trip a bucket; now the next is sent meanwhile); the 0.6B shape was slower in
+    one bucket than in two."""
     weight_transport: Literal["auto", "ipc", "shm"] = "auto"
     """ipc (CUDA IPC, colocated GPUs), shm (safetensors in /dev/shm or shared dir); auto picks."""
     weight_dir: str | None = None

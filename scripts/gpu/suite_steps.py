@@ -146,17 +146,17 @@ STEPS: dict[str, Step] = {
         ),
         Step(
             "bench_sync_lean",
-            "bench_sync's 4B pushes in vime train's memory order (the trainer's state and the engine never awake together; fits an 80 GB H100): engine.weight_load vllm, direct (1 GiB buckets) and direct@4608, from the sleeping trainer, vs a D2D copy; no training steps",
+            "bench_sync's 4B pushes in vime train's memory order (the trainer's state and the engine never awake together; fits an 80 GB H100): engine.weight_load vllm, direct (1 GiB buckets), direct@2048 and direct@4608, from the sleeping trainer, vs a D2D copy; no training steps",
             _args(
                 "bench/weight_sync.py --transport ipc --size qwen3-4b --lean --rounds 0 --asleep-rounds 3"
-                " --weight-loads vllm direct direct@4608 --set trainer.grad_reduce_in_fp32=false"
+                " --weight-loads vllm direct direct@2048 direct@4608 --set trainer.grad_reduce_in_fp32=false"
             ),
             _args(
                 "bench/weight_sync.py --transport shm --size micro --engines 1 --lean --rounds 0"
                 " --asleep-rounds 2 --weight-loads vllm direct@1 direct"
             ),
-            timeout_s=420,
-            expect_s=260,
+            timeout_s=460,
+            expect_s=300,
         ),
         Step(
             "bench_step",

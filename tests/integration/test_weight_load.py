@@ -8,7 +8,8 @@ and, from a sleep that kept them, from the parameters themselves;
 the engines' checksums agree with the trainer's on every bucket, and a byte that changed after
 the trainer checksummed it fails the push with the engines left paused; the staging buffers live
 for one push (allocated and opened before the pause, closed and freed after the resume, also
-when the push fails) while an engine's layout is read once per engine start; engines that cannot be loaded directly (weights
+when the push fails) while an engine's layout is read once per engine start (the order of one
+push's calls: `test_direct_push_order`); engines that cannot be loaded directly (weights
 in another dtype, no extension) are refused before anything is paused, and the push goes through
 vLLM's loader instead with a ``weights.direct_refused`` event.
 """
@@ -25,35 +26,20 @@ import numpy as np
 import pytest
 import torch
 from vime_trainer.megatron.actor_group import ActorGroup
-from vime_trainer.weight_sync import WeightSync, WeightSyncError, make_weight_sync
+from vime_trainer.weight_sync import WeightSyncError, make_weight_sync
 from vime_trainer.weight_sync.direct_sync import DirectSync
 from vime_trainer.weight_sync.ipc import call_on_ranks
 
+from tests.support.direct_engines import Unused, info, pushed_weights, start_engine
 from tests.support.direct_ranks import LocalRanks
 from tests.support.megatron import Publisher, one, rollout_batch, run_config, split
 from vime import procs
 from vime.wire.direct_load import EXTENSION
-from vime.wire.rollout import EngineInfo
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 17, 42, 8, 23, 11, 60, 3]
 STEPS = 6
-
-
-def _start(model: Path, logs: Path, name: str, *extra: str) -> tuple[procs.Child, str]:
-    port = procs.free_port()
-    argv = procs.python_module(
-        "vime_rollout.reference_engine", "--model", str(model), "--port", str(port), "--threads", "1", *extra
-    )
-    child = procs.start(name, argv, log_path=logs / f"{name}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        procs.wait_healthy(url, child, timeout_s=180)
-    except BaseException:
-        child.stop()
-        raise
-    return child, url
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +56,12 @@ def engines(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     urls: dict[str, str] = {}
     try:
         for name, extra in flavours.items():
-            child, urls[name] = _start(qwen3, logs, name, *extra)
+            child, urls[name] = start_engine(qwen3, logs, name, *extra)
             children.append(child)
         yield urls
     finally:
         for child in children:
             child.stop()
-
-
-def info(url: str, restarts: int = 0) -> EngineInfo:
-    return EngineInfo(
-        index=0, url=url, backend="reference", status="ready", registered=True, restarts=restarts
-    )
 
 
 def engine_logprobs(url: str) -> tuple[list[int], list[float]]:
@@ -204,18 +184,7 @@ def test_refused_engines_get_vllms_loader_instead(
 
 @pytest.fixture
 def hf_weights(qwen3: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    weights = load_file(str(qwen3 / "model.safetensors"))
-    return {k: -v if k == "lm_head.weight" else v for k, v in weights.items()}
-
-
-class Unused(WeightSync):
-    def __init__(self) -> None:
-        super().__init__(None)  # type: ignore[arg-type]
-
-    async def push(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the direct load fell back")
+    return pushed_weights(qwen3)
 
 
 class CorruptingRanks(LocalRanks):
@@ -304,70 +273,3 @@ def test_staging_buffers_live_for_one_push_and_a_restarted_engine_is_checked_aga
     assert updates % 3 == 0 and updates // 3 > 2  # several buckets a push: both staging buffers in turn
     assert httpx.get(url + "/weight_info").json() == {"weight_version": "7"}
     assert tokens  # still generating after three direct pushes
-
-
-class RecordingRanks(LocalRanks):
-    """Records when the push's first bucket is packed, among the engine calls `SlowPause` records."""
-
-    def __init__(self, *args: Any, log: list[str]) -> None:
-        super().__init__(*args)
-        self.log = log
-
-    def next(self, slot: int) -> list[dict[str, Any] | None]:
-        out = super().next(slot)
-        if out[0] is not None and out[0]["index"] == 0:
-            self.log.append("packed bucket 0")
-        return out
-
-
-def slow_pause(log: list[str], fail: bool = False) -> Any:
-    """An engine client factory whose ``/pause`` takes 0.3 s (or fails after it)."""
-    from vime.clients.base import ServiceCallError
-    from vime.clients.engine import EngineClient
-
-    class SlowPause(EngineClient):
-        async def pause(self, *args: Any, **kwargs: Any) -> None:
-            log.append("pause sent")
-            await asyncio.sleep(0.3)
-            if fail:
-                raise ServiceCallError(500, "pause failed")
-            await super().pause(*args, **kwargs)
-            log.append("paused")
-
-    return lambda url: SlowPause(url)
-
-
-def test_the_first_bucket_is_packed_while_the_engines_pause(
-    engines: dict[str, str], hf_weights: dict[str, torch.Tensor], tmp_path: Path
-) -> None:
-    url = engines["direct"]
-    log: list[str] = []
-    ranks = RecordingRanks(hf_weights, tmp_path, log=log)
-    sync = DirectSync(ranks, Unused(), bucket_bytes=32 << 10, client_factory=slow_pause(log))
-    try:
-        report = asyncio.run(sync.push([info(url)], 8, flush=True))
-        assert log.index("pause sent") < log.index("packed bucket 0") < log.index("paused")
-        assert report.buckets > 2 and httpx.get(url + "/weight_info").json() == {"weight_version": "8"}
-    finally:
-        asyncio.run(sync.aclose())
-
-
-def test_a_failed_pause_drops_the_packed_bucket_and_the_next_push_loads_everything(
-    engines: dict[str, str], hf_weights: dict[str, torch.Tensor], tmp_path: Path
-) -> None:
-    url = engines["direct"]
-    log: list[str] = []
-    ranks = RecordingRanks(hf_weights, tmp_path, log=log)
-    sync = DirectSync(ranks, Unused(), bucket_bytes=32 << 10, client_factory=slow_pause(log, fail=True))
-    try:
-        with pytest.raises(WeightSyncError, match="pause"):
-            asyncio.run(sync.push([info(url)], 9, flush=True))
-        assert log == ["pause sent", "packed bucket 0"] and ranks.exporter is None  # ended and freed
-        sync.client_factory = slow_pause(log)
-        report = asyncio.run(sync.push([info(url)], 10, flush=True))
-        assert log.count("packed bucket 0") == 2 and httpx.get(url + "/weight_info").json() == {
-            "weight_version": "10"
-        }
-        assert report.nbytes == sum(t.numel() * t.element_size() for t in hf_weights.values())
-    finally:
-        asyncio.run(sync.aclose())

@@ -14,10 +14,12 @@ allocate them and every engine opens them before the pause (``weights.direct_ope
 resume the engines let go and the ranks free them (``weights.direct_close``), so a sleeping trainer
 holds none of them through the rollout.
 
-Per push the trainer packs the first bucket while the engines pause, then bucket k+1 into one
-buffer while the engines copy bucket k out of the other. Every engine returns the checksum of what its parameters hold after the copy; it must equal
-the trainer's checksum of what it packed, or the push fails and the engines stay paused — never
-serving weights that are not the trainer's. Engines that keep a weight-version label (vLLM ≥ 0.33,
+Per push the trainer packs the first bucket while the engines open the buffers, then bucket k+1
+into one buffer while the engines copy bucket k out of the other; bucket k+1's load is sent as soon
+as it is packed, so it waits in the engines' queue, not behind bucket k's round trip. Every engine
+returns the checksum of what its parameters hold after the copy; it must equal the trainer's
+checksum of what it packed, or the push fails and the engines stay paused — never serving weights
+that are not the trainer's. Engines that keep a weight-version label (vLLM ≥ 0.33,
 the reference engine) get it with ``/update_weight_version``.
 """
 
@@ -113,10 +115,14 @@ class DirectSync(WeightSync):
         report = PushReport(version, flush, [e.url for e in engines], weight_load="direct")
         if not engines:
             return report
+        first: asyncio.Future[list[dict[str, Any] | None]] | None = None
         try:
-            await self._open(report, engines)
-            return await self._push_direct(report, engines, mode or pause_mode(flush))
+            first = await self._open(report, engines)
+            return await self._push_direct(report, engines, mode or pause_mode(flush), first)
         finally:
+            if first is not None:  # the bucket stream ends here, also when the open or the pause failed
+                await asyncio.gather(first, return_exceptions=True)
+                await asyncio.to_thread(self.ranks.end)
             await self._close(report)
 
     # --- once per engine start -------------------------------------------------------------------
@@ -146,12 +152,16 @@ class DirectSync(WeightSync):
             self.labels[e.url] = labels[e.url] is not None
 
     # --- every push: the staging buffers' life -----------------------------------------------------
-    async def _open(self, report: PushReport, engines: Sequence[EngineInfo]) -> None:
-        """The ranks allocate this push's staging buffers and every engine opens them (before the pause)."""
+    async def _open(
+        self, report: PushReport, engines: Sequence[EngineInfo]
+    ) -> asyncio.Future[list[dict[str, Any] | None]]:
+        """The ranks allocate this push's staging buffers and every engine opens them (before the
+        pause); meanwhile the ranks pack the first bucket into slot 0 — the future returned."""
         assert self.plan is not None, "prepare first"
         t0 = time.perf_counter()
         self.staged = True  # a failed allocation is freed too
         buffers = await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
+        first = asyncio.ensure_future(asyncio.to_thread(self._begin))
         t1 = time.perf_counter()
         clients = {e.url: self.client_factory(e.url) for e in engines}
         try:
@@ -163,6 +173,10 @@ class DirectSync(WeightSync):
             }
             self.opened = list(opening)  # a failed open is closed too
             await _gather("direct open", opening)
+        except BaseException:
+            await asyncio.gather(first, return_exceptions=True)
+            await asyncio.to_thread(self.ranks.end)
+            raise
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
         report.phases["open"] = seconds = time.perf_counter() - t0
@@ -175,6 +189,7 @@ class DirectSync(WeightSync):
             ranks_s=round(t1 - t0, 4),
             engines_s=round(seconds - (t1 - t0), 4),
         )
+        return first
 
     async def _close(self, report: PushReport | None = None) -> None:
         """Engines let go of the buffers, then the ranks free them (best effort: a close that fails
@@ -229,27 +244,21 @@ class DirectSync(WeightSync):
 
     # --- every push --------------------------------------------------------------------------------
     async def _push_direct(
-        self, report: PushReport, engines: Sequence[EngineInfo], mode: PauseMode
+        self,
+        report: PushReport,
+        engines: Sequence[EngineInfo],
+        mode: PauseMode,
+        first: asyncio.Future[list[dict[str, Any] | None]],
     ) -> PushReport:
         version = report.version
-        # The first bucket is packed while the engines pause: only the trainer's buffer is written.
-        first = asyncio.ensure_future(asyncio.to_thread(self._begin))
-        loading = False
 
         async def load(clients: dict[str, EngineClient], engines: Sequence[EngineInfo]) -> None:
-            nonlocal loading
-            loading = True
             await self._load(report, engines, clients, first)
             labelled = {u: c for u, c in clients.items() if self.labels.get(u)}
             if labelled:
                 await self._phase(report, "label", labelled, lambda c: _label(c, version), version=version)
 
-        try:
-            return await self._framed(report, engines, mode, load)
-        finally:
-            if not loading:  # the pause failed: the packed bucket is dropped
-                await asyncio.gather(first, return_exceptions=True)
-                await asyncio.to_thread(self.ranks.end)
+        return await self._framed(report, engines, mode, load)
 
     def _begin(self) -> list[dict[str, Any] | None]:
         """Start the push's bucket stream on every rank and pack its first bucket into slot 0."""
@@ -263,61 +272,49 @@ class DirectSync(WeightSync):
         clients: dict[str, EngineClient],
         first: asyncio.Future[list[dict[str, Any] | None]],
     ) -> None:
-        """Every bucket into every engine, from ``first`` (slot 0) on; bucket k+1 is packed while k
-        is copied (two buffers)."""
+        """Every bucket into every engine, from ``first`` (slot 0) on. A bucket's load is sent as
+        soon as it is packed, while the engines may still be copying the one before: an engine runs
+        its calls one at a time, so the next waits in its queue rather than behind a round trip. A
+        slot is packed again once every engine answered the load that last used it."""
         t0 = time.perf_counter()
-        packing: asyncio.Future[list[dict[str, Any] | None]] | None = first
-        slot = 0
         parts = report.update_parts
+        using: dict[int, asyncio.Future[None]] = {}
+        """Each slot's load in flight."""
+        packing = first
+        slot = 0
         try:
-            while packing is not None:
+            while True:
                 tw = time.perf_counter()
-                exports = await packing
-                packing = None
-                bucket = DirectBucket.from_exports(exports)
+                bucket = DirectBucket.from_exports(await packing)
+                _add(parts, "pack_wait_s", time.perf_counter() - tw)
                 if bucket is None:
                     break
-                tb = time.perf_counter()
-                following = (slot + 1) % self.slots
-                loading = asyncio.ensure_future(self._load_bucket(bucket, slot, engines, clients))
-                if self.slots > 1:  # the other buffer is free: every engine finished copying out of it
-                    packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, following))
-                engine_s = await loading
-                if packing is None:
-                    packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, following))
-                slot = following
-                report.buckets += 1
-                report.nbytes += bucket.nbytes
-                times = {
-                    "pack_wait_s": tb - tw,  # packing the loads did not hide
-                    "source_s": bucket.source_s,
-                    "pack_s": bucket.pack_s,
-                    "load_s": time.perf_counter() - tb,
-                    "engine_s": engine_s,
-                }
-                for k, v in times.items():
-                    parts[k] = parts.get(k, 0.0) + v
-                self.on_event(
-                    "weights.update",
-                    bucket=bucket.index,
-                    nbytes=bucket.nbytes,
-                    tensors=len(bucket.params),
-                    seconds=round(times["load_s"], 4),
-                    **{k: round(v, 4) for k, v in times.items() if k != "load_s"},
-                )
+                using[slot] = asyncio.ensure_future(self._load_bucket(report, bucket, slot, engines, clients))
+                slot = (slot + 1) % self.slots
+                tw = time.perf_counter()
+                if slot in using:
+                    await using.pop(slot)
+                _add(parts, "slot_wait_s", time.perf_counter() - tw)
+                packing = asyncio.ensure_future(asyncio.to_thread(self.ranks.next, slot))
+            for loading in list(using.values()):
+                await loading
         finally:
-            if packing is not None:
-                await asyncio.gather(packing, return_exceptions=True)
-            await asyncio.to_thread(self.ranks.end)
+            # nothing is freed while an engine may still read a slot or a rank still packs one
+            await asyncio.gather(packing, *using.values(), return_exceptions=True)
             report.phases["update"] = time.perf_counter() - t0
         if report.buckets == 0:
             raise WeightSyncError("the trainer produced no weight bucket")
 
     async def _load_bucket(
-        self, bucket: DirectBucket, slot: int, engines: Sequence[EngineInfo], clients: dict[str, EngineClient]
-    ) -> float:
-        """Every engine copies the bucket out of ``slot`` and checks it; the slowest engine's own
-        seconds for that (the rest of the call is the control path's)."""
+        self,
+        report: PushReport,
+        bucket: DirectBucket,
+        slot: int,
+        engines: Sequence[EngineInfo],
+        clients: dict[str, EngineClient],
+    ) -> None:
+        """Every engine copies the bucket out of ``slot`` and checks it; counted into ``report``."""
+        tb = time.perf_counter()
         payload = encode_load(self.session, slot, bucket.index, bucket.params)
         answers: dict[str, dict[str, Any]] = {}
 
@@ -334,7 +331,24 @@ class DirectSync(WeightSync):
                     f"{got.get('checksum')} after the copy, the trainer packed {nbytes} with {bucket.checksum}; "
                     "the engines stay paused"
                 )
-        return max(float(got.get("seconds", 0.0)) for got in answers.values())
+        report.buckets += 1
+        report.nbytes += bucket.nbytes
+        times = {
+            "source_s": bucket.source_s,
+            "pack_s": bucket.pack_s,
+            "load_s": time.perf_counter() - tb,
+            "engine_s": max(float(got.get("seconds", 0.0)) for got in answers.values()),
+        }
+        for k, v in times.items():
+            _add(report.update_parts, k, v)
+        self.on_event(
+            "weights.update",
+            bucket=bucket.index,
+            nbytes=bucket.nbytes,
+            tensors=len(bucket.params),
+            seconds=round(times["load_s"], 4),
+            **{k: round(v, 4) for k, v in times.items() if k != "load_s"},
+        )
 
     async def aclose(self) -> None:
         """Close whatever a push left open (best effort: the run is ending)."""
@@ -357,6 +371,10 @@ def _buffers_for(engine: EngineInfo, rank_buffers: Sequence[RankBuffers]) -> lis
                 handles.update(r.buffers[slot]["cuda_ipc"])
         out.append({"nbytes": spec["nbytes"], "cuda_ipc": handles})
     return out
+
+
+def _add(parts: dict[str, float], key: str, seconds: float) -> None:
+    parts[key] = parts.get(key, 0.0) + seconds
 
 
 async def _label(client: EngineClient, version: int) -> None:

@@ -70,9 +70,11 @@ class PushReport:
     """How the engines loaded the weights: ``vllm`` (its weight loaders) or ``direct``."""
     update_parts: dict[str, float] = field(default_factory=dict)
     """Where the direct load's update went, summed over its buckets (seconds): ``pack_wait_s``
-    waiting on packing the loads did not hide, ``source_s`` / ``pack_s`` the slowest rank making
-    and packing the HF tensors, ``load_s`` the loads' calls, ``engine_s`` the slowest engine's own
-    copy and checksum inside them."""
+    the driver waiting for a bucket's packing (the engines may be copying the one before),
+    ``slot_wait_s`` waiting for the engines to finish with a slot before it is packed again,
+    ``source_s`` / ``pack_s`` the slowest rank making and packing the HF tensors, ``load_s`` each
+    load's call from its send to its last answer (two loads overlap: the second queues in the
+    engines), ``engine_s`` the slowest engine's own copy and checksum inside them."""
 
 
 def engine_gone(exc: BaseException) -> bool:
