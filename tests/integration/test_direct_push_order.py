@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def recording(
     pause_delay_s: float = 0.0,
     fail_pause: bool = False,
     load_delay_s: float = 0.0,
-) -> Any:
+) -> Callable[[str], EngineClient]:
     """An engine client factory recording the push's calls; each delay (or failure) comes before
     the call reaches the engine, as a slow network would."""
 
@@ -93,7 +93,7 @@ def recording(
             calls.log.append("pause sent")
             await asyncio.sleep(pause_delay_s)
             if fail_pause:
-                raise ServiceCallError(500, "pause failed")
+                raise ServiceCallError("POST", self.base_url + "/pause", 500, "pause failed")
             await super().pause(*args, **kwargs)
             calls.log.append("paused")
 
@@ -103,7 +103,7 @@ def recording(
                 calls.log.append("open sent")
                 await asyncio.sleep(open_delay_s)
                 if fail_open:
-                    raise ServiceCallError(500, "open failed")
+                    raise ServiceCallError("POST", self.base_url + path, 500, "open failed")
                 out = await super().request(method, path, **options)
                 calls.log.append("opened")
                 return out
@@ -123,6 +123,20 @@ def recording(
     return lambda url: Recording(url)
 
 
+def push_once(
+    url: str, weights: dict[str, torch.Tensor], directory: Path, version: int, **delays: Any
+) -> tuple[Calls, DirectSync, Any]:
+    """One push to ``url`` with the engine calls delayed as `recording` is told; what was recorded."""
+    calls = Calls()
+    ranks = RecordingRanks(weights, directory, calls)
+    sync = DirectSync(ranks, Unused(), bucket_bytes=BUCKET, client_factory=recording(calls, **delays))
+    try:
+        report = asyncio.run(sync.push([info(url)], version, flush=True))
+    finally:
+        asyncio.run(sync.aclose())
+    return calls, sync, report
+
+
 def check_whole_push(url: str, weights: dict[str, torch.Tensor], report: Any, version: int) -> None:
     assert report.nbytes == sum(t.numel() * t.element_size() for t in weights.values())
     assert httpx.get(url + "/weight_info").json() == {"weight_version": str(version)}
@@ -132,13 +146,7 @@ def check_whole_push(url: str, weights: dict[str, torch.Tensor], report: Any, ve
 def test_the_first_bucket_is_packed_while_the_engines_open_the_buffers(
     engine: str, weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    calls = Calls()
-    ranks = RecordingRanks(weights, tmp_path, calls)
-    sync = DirectSync(ranks, Unused(), bucket_bytes=BUCKET, client_factory=recording(calls, open_delay_s=0.3))
-    try:
-        report = asyncio.run(sync.push([info(engine)], 8, flush=True))
-    finally:
-        asyncio.run(sync.aclose())
+    calls, _, report = push_once(engine, weights, tmp_path, 8, open_delay_s=0.3)
     log = calls.log
     assert log.index("open sent") < log.index("opened") < log.index("pause sent")
     assert log.index("packed bucket 0") < log.index("opened")
@@ -150,13 +158,7 @@ def test_the_first_bucket_is_packed_while_the_engines_open_the_buffers(
 def test_a_bucket_is_sent_while_the_one_before_is_loading_and_no_buffer_is_packed_while_read(
     engine: str, weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    calls = Calls()
-    ranks = RecordingRanks(weights, tmp_path, calls)
-    sync = DirectSync(ranks, Unused(), bucket_bytes=BUCKET, client_factory=recording(calls, load_delay_s=0.1))
-    try:
-        report = asyncio.run(sync.push([info(engine)], 9, flush=False))
-    finally:
-        asyncio.run(sync.aclose())
+    calls, sync, report = push_once(engine, weights, tmp_path, 9, load_delay_s=0.1)
     assert sync.slots == 2 and report.buckets > 3
     assert calls.most_in_flight == 2  # the next bucket went before the one ahead of it was answered
     assert calls.packed_while_read == []
@@ -173,7 +175,7 @@ def test_a_push_whose_open_or_pause_fails_frees_its_buffers_and_the_next_loads_e
     failing = recording(calls, fail_open=fails == "open", fail_pause=fails == "pause", pause_delay_s=0.1)
     sync = DirectSync(ranks, Unused(), bucket_bytes=BUCKET, client_factory=failing)
     try:
-        with pytest.raises(WeightSyncError, match=fails):
+        with pytest.raises(WeightSyncError, match=f"ServiceCallError: .* 500: {fails} failed"):
             asyncio.run(sync.push([info(engine)], 10, flush=True))
         assert "packed bucket 0" in calls.log and "packed bucket 1" not in calls.log
         assert ranks.exporter is None and not sync.staged and sync.opened == []
