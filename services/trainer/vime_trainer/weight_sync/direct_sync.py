@@ -117,7 +117,10 @@ class DirectSync(WeightSync):
             return report
         first: asyncio.Future[list[dict[str, Any] | None]] | None = None
         try:
-            first = await self._open(report, engines)
+            t0 = time.perf_counter()
+            buffers = await self._allocate()
+            first = asyncio.ensure_future(asyncio.to_thread(self._begin))  # while the engines open them
+            await self._open(report, engines, buffers, t0)
             return await self._push_direct(report, engines, mode or pause_mode(flush), first)
         finally:
             if first is not None:  # the bucket stream ends here, also when the open or the pause failed
@@ -152,16 +155,17 @@ class DirectSync(WeightSync):
             self.labels[e.url] = labels[e.url] is not None
 
     # --- every push: the staging buffers' life -----------------------------------------------------
-    async def _open(
-        self, report: PushReport, engines: Sequence[EngineInfo]
-    ) -> asyncio.Future[list[dict[str, Any] | None]]:
-        """The ranks allocate this push's staging buffers and every engine opens them (before the
-        pause); meanwhile the ranks pack the first bucket into slot 0 — the future returned."""
+    async def _allocate(self) -> list[RankBuffers]:
+        """The ranks allocate this push's staging buffers."""
         assert self.plan is not None, "prepare first"
-        t0 = time.perf_counter()
         self.staged = True  # a failed allocation is freed too
-        buffers = await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
-        first = asyncio.ensure_future(asyncio.to_thread(self._begin))
+        return await asyncio.to_thread(self.ranks.open, self.plan, self.buffer_bytes, self.slots)
+
+    async def _open(
+        self, report: PushReport, engines: Sequence[EngineInfo], buffers: Sequence[RankBuffers], t0: float
+    ) -> None:
+        """Every engine opens the ranks' staging buffers (before the pause); the open phase is timed
+        from ``t0``, when the ranks began allocating them."""
         t1 = time.perf_counter()
         clients = {e.url: self.client_factory(e.url) for e in engines}
         try:
@@ -173,10 +177,6 @@ class DirectSync(WeightSync):
             }
             self.opened = list(opening)  # a failed open is closed too
             await _gather("direct open", opening)
-        except BaseException:
-            await asyncio.gather(first, return_exceptions=True)
-            await asyncio.to_thread(self.ranks.end)
-            raise
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
         report.phases["open"] = seconds = time.perf_counter() - t0
@@ -189,7 +189,6 @@ class DirectSync(WeightSync):
             ranks_s=round(t1 - t0, 4),
             engines_s=round(seconds - (t1 - t0), 4),
         )
-        return first
 
     async def _close(self, report: PushReport | None = None) -> None:
         """Engines let go of the buffers, then the ranks free them (best effort: a close that fails
